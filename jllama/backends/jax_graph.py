@@ -1,0 +1,89 @@
+"""The JAX backend: the compiled programs of `jllama.graphs` assembled into a decode step.
+
+Per token: the embedding row goes to the device, then for each layer the `qkv`, `attention` and
+`block` programs run with that layer's arrays, then `classifier`. The four programs are traced
+and compiled once (in `prepare`, by a warm-up step) and replayed for every layer and token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jllama import graphs
+from jllama.backends.base import check_token_pos
+from jllama.config import ModelConfig
+from jllama.rope import rope_frequencies
+from jllama.weights import GraphWeights, TransformerWeights, check_shapes, to_graph_weights
+
+
+class JaxGraphBackend:
+    """Graph-compiled backend over per-layer device arrays and per-layer head-major caches.
+
+    Args:
+      device: the `jax.Device` to run on (default: JAX's default device).
+
+    Attributes:
+      name: "jax".
+      compile_seconds: wall time of the warm-up step in `prepare` (tracing + compiling the four
+        programs), seconds.
+    """
+
+    name = "jax"
+
+    def __init__(self, device: jax.Device | None = None):
+        self.device = device or jax.devices()[0]
+        self.config: ModelConfig | None = None
+        self.compile_seconds = 0.0
+
+    def prepare(self, config: ModelConfig, weights: TransformerWeights) -> None:
+        """Convert the weights to the per-layer layout on the device, allocate the caches
+        (2 * n_layers arrays of f32[n_kv_heads, seq_len, head_dim]) and compile the programs."""
+        check_shapes(config, weights)
+        self.config = config
+        host = to_graph_weights(weights)
+        # The embedding table stays on the host: one row per token is all a step needs.
+        self.token_embedding_table = np.asarray(host.token_embedding_table)
+        on_device: GraphWeights = jax.device_put(
+            GraphWeights(
+                token_embedding_table=np.zeros((0, config.dim), np.float32),
+                layers=host.layers,
+                rms_final_weight=host.rms_final_weight,
+                wcls=host.wcls,
+            ),
+            self.device,
+        )
+        self.layers = on_device.layers
+        self.rms_final_weight = on_device.rms_final_weight
+        self.wcls = on_device.wcls
+        self.inv_freq = jax.device_put(rope_frequencies(config), self.device)
+        shape = (config.n_kv_heads, config.seq_len, config.head_dim)
+        self.key_cache = [jnp.zeros(shape, jnp.float32, device=self.device) for _ in self.layers]
+        self.value_cache = [jnp.zeros(shape, jnp.float32, device=self.device) for _ in self.layers]
+        start = time.perf_counter()
+        # Warm-up: traces and compiles all four programs. Harmless to the sequence that follows:
+        # position 0 is rewritten by the first real step and later positions are masked.
+        self.forward(0, 0)
+        self.compile_seconds = time.perf_counter() - start
+
+    def forward(self, token: int, pos: int) -> np.ndarray:
+        """Logits f32[vocab_size] for `token` at `pos` (see `jllama.backends.base.Backend`)."""
+        config = self.config
+        if config is None:
+            raise RuntimeError("JaxGraphBackend.forward called before prepare")
+        check_token_pos(config, token, pos)
+        x = jax.device_put(self.token_embedding_table[token], self.device)
+        pos_arr = jax.device_put(np.int32(pos), self.device)
+        for l, layer in enumerate(self.layers):
+            q, k, v = graphs.qkv(config, x, layer.rms_att_weight, layer.wqkv)
+            att, self.key_cache[l], self.value_cache[l] = graphs.attention(
+                config, q, k, v, self.key_cache[l], self.value_cache[l], pos_arr, self.inv_freq
+            )
+            x = graphs.block(
+                config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
+            )
+        logits = graphs.classifier(config, x, self.rms_final_weight, self.wcls)
+        return np.asarray(logits)

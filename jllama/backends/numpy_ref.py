@@ -1,0 +1,200 @@
+"""The NumPy reference backend: llama2.c run.c's `forward` spelled out, one public function per
+step, in float32.
+
+Each step can be called on its own from a research script, for example::
+
+    from jllama.backends import numpy_ref as ref
+    x = ref.embed(weights.token_embedding_table, token)
+    xb = ref.rmsnorm(x, weights.rms_att_weight[0], config.norm_eps)
+    q, k, v = ref.qkv_projection(xb, weights.wq[0], weights.wk[0], weights.wv[0])
+
+Shapes follow `jllama.weights.TransformerWeights` (matrices out x in). A layer's KV cache is
+head-major, `key_cache: f32[n_kv_heads, seq_len, head_dim]`, the same layout the JAX backend
+uses, so the two can be compared entry by entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jllama.backends.base import check_token_pos
+from jllama.config import ModelConfig
+from jllama.rope import rope_frequencies
+from jllama.weights import TransformerWeights, check_shapes
+
+_F32 = np.float32
+
+
+def embed(token_embedding_table: np.ndarray, token: int) -> np.ndarray:
+    """Embedding lookup: the row of `token_embedding_table: f32[vocab_size, dim]`, f32[dim]."""
+    return np.array(token_embedding_table[token], dtype=_F32)
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm (Zhang & Sennrich 2019) as run.c: `weight * x / sqrt(mean(x**2) + eps)`.
+
+    x, weight: f32[n] -> f32[n].
+    """
+    ms = np.dot(x, x) / _F32(x.shape[-1]) + _F32(eps)
+    return (weight * (x * (_F32(1.0) / np.sqrt(ms)))).astype(_F32)
+
+
+def matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Matrix-vector product with an out x in matrix, as run.c's `matmul`:
+    w: f32[out, in], x: f32[in] -> f32[out]."""
+    return np.dot(w, x)
+
+
+def qkv_projection(
+    x: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Query, key and value projections of the normalized input.
+
+    x: f32[dim]; wq: f32[q_dim, dim]; wk, wv: f32[kv_dim, dim]
+    -> (q: f32[q_dim], k: f32[kv_dim], v: f32[kv_dim]).
+    """
+    return matmul(wq, x), matmul(wk, x), matmul(wv, x)
+
+
+def rope(vec: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
+    """Rotary position embedding, as run.c: rotate each adjacent pair (2i, 2i+1) of every head
+    by the angle `pos * inv_freq[i]`.
+
+    vec: f32[n_heads * head_dim] (queries or keys, heads concatenated);
+    inv_freq: f32[head_dim // 2] from `jllama.rope.rope_frequencies`. Returns a new array.
+    """
+    half = inv_freq.shape[0]
+    pairs = vec.reshape(-1, half, 2)
+    angle = _F32(pos) * inv_freq
+    cos, sin = np.cos(angle), np.sin(angle)
+    v0, v1 = pairs[..., 0], pairs[..., 1]
+    out = np.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], axis=-1)
+    return out.reshape(vec.shape).astype(_F32)
+
+
+def cache_write(
+    key_cache: np.ndarray, value_cache: np.ndarray, k: np.ndarray, v: np.ndarray, pos: int
+) -> None:
+    """Store this position's key and value in one layer's cache, IN PLACE (the one step that
+    mutates: copying the cache every token would cost O(seq_len) per step).
+
+    key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim]; k, v: f32[kv_dim].
+    """
+    n_kv_heads, _, head_dim = key_cache.shape
+    key_cache[:, pos, :] = k.reshape(n_kv_heads, head_dim)
+    value_cache[:, pos, :] = v.reshape(n_kv_heads, head_dim)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Numerically stable softmax over the last axis, float32 (max subtracted first)."""
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return (e / np.sum(e, axis=-1, keepdims=True)).astype(_F32)
+
+
+def attention(
+    q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, pos: int
+) -> np.ndarray:
+    """Causal multi-head attention of one query position over cache positions 0..pos, as run.c:
+    scores `q . k / sqrt(head_dim)`, softmax, weighted sum of values. Query head h reads
+    key/value head `h // kv_mul` (grouped-query attention).
+
+    q: f32[n_heads * head_dim]; key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim]
+    -> f32[n_heads * head_dim].
+    """
+    n_kv_heads, _, head_dim = key_cache.shape
+    qg = q.reshape(n_kv_heads, -1, head_dim)  # [n_kv_heads, kv_mul, head_dim]
+    keys = key_cache[:, : pos + 1, :]
+    values = value_cache[:, : pos + 1, :]
+    scores = np.matmul(qg, keys.transpose(0, 2, 1)) / np.sqrt(_F32(head_dim))
+    weights = softmax(scores)  # [n_kv_heads, kv_mul, pos + 1]
+    return np.matmul(weights, values).reshape(q.shape).astype(_F32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """SiLU (swish): `x * sigmoid(x)`, f32."""
+    return (x * (_F32(1.0) / (_F32(1.0) + np.exp(-x)))).astype(_F32)
+
+
+def ffn(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> np.ndarray:
+    """SwiGLU feed-forward (Shazeer 2020) as run.c: `w2 @ (silu(w1 @ x) * (w3 @ x))`.
+
+    x: f32[dim]; w1, w3: f32[hidden_dim, dim]; w2: f32[dim, hidden_dim] -> f32[dim].
+    """
+    return matmul(w2, silu(matmul(w1, x)) * matmul(w3, x))
+
+
+def classifier(
+    x: np.ndarray, rms_final_weight: np.ndarray, wcls: np.ndarray, eps: float
+) -> np.ndarray:
+    """Final RMSNorm and the classifier: x: f32[dim] -> logits f32[vocab_size]."""
+    return matmul(wcls, rmsnorm(x, rms_final_weight, eps))
+
+
+@dataclasses.dataclass
+class KVCache:
+    """Key and value caches of all layers: f32[n_layers, n_kv_heads, seq_len, head_dim] each."""
+
+    key_cache: np.ndarray
+    value_cache: np.ndarray
+
+    @classmethod
+    def zeros(cls, config: ModelConfig) -> "KVCache":
+        shape = (config.n_layers, config.n_kv_heads, config.seq_len, config.head_dim)
+        return cls(np.zeros(shape, _F32), np.zeros(shape, _F32))
+
+
+def forward(
+    config: ModelConfig,
+    weights: TransformerWeights,
+    cache: KVCache,
+    inv_freq: np.ndarray,
+    token: int,
+    pos: int,
+) -> np.ndarray:
+    """One transformer step, as run.c's `forward`: token at `pos` -> logits f32[vocab_size].
+
+    Writes this position's keys and values into `cache` (in place). `inv_freq` is
+    `rope_frequencies(config)`.
+    """
+    x = embed(weights.token_embedding_table, token)
+    for l in range(config.n_layers):
+        xb = rmsnorm(x, weights.rms_att_weight[l], config.norm_eps)
+        q, k, v = qkv_projection(xb, weights.wq[l], weights.wk[l], weights.wv[l])
+        q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
+        cache_write(cache.key_cache[l], cache.value_cache[l], k, v, pos)
+        att = attention(q, cache.key_cache[l], cache.value_cache[l], pos)
+        x = x + matmul(weights.wo[l], att)
+        xb = rmsnorm(x, weights.rms_ffn_weight[l], config.norm_eps)
+        x = x + ffn(xb, weights.w1[l], weights.w2[l], weights.w3[l])
+    return classifier(x, weights.rms_final_weight, weights.wcls, config.norm_eps)
+
+
+class NumpyBackend:
+    """The reference backend: `forward` above over a NumPy KV cache.
+
+    Attributes:
+      name: "numpy".
+    """
+
+    name = "numpy"
+
+    def __init__(self):
+        self.config: ModelConfig | None = None
+
+    def prepare(self, config: ModelConfig, weights: TransformerWeights) -> None:
+        """Keep the weights as they are (file layout, possibly memory-mapped) and allocate the
+        cache: 2 * n_layers * n_kv_heads * seq_len * head_dim float32s."""
+        check_shapes(config, weights)
+        self.config = config
+        self.weights = weights
+        self.cache = KVCache.zeros(config)
+        self.inv_freq = rope_frequencies(config)
+
+    def forward(self, token: int, pos: int) -> np.ndarray:
+        """Logits f32[vocab_size] for `token` at `pos` (see `jllama.backends.base.Backend`)."""
+        if self.config is None:
+            raise RuntimeError("NumpyBackend.forward called before prepare")
+        check_token_pos(self.config, token, pos)
+        return forward(self.config, self.weights, self.cache, self.inv_freq, token, pos)

@@ -1,0 +1,114 @@
+"""Model hyperparameters.
+
+`ModelConfig` is a frozen, hashable dataclass so it can be a static argument under `jax.jit`
+and a dictionary key. The derived sizes (`head_dim`, `q_dim`, `kv_dim`, `kv_mul`) are computed
+once here, with llama2.c run.c's meanings, so no other module re-derives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jllama.errors import ConfigError
+
+# Sizes above these are not models anyone runs on this engine; a header that claims them is
+# almost certainly a corrupt or foreign file, and refusing early avoids multi-GB allocations.
+MAX_DIM = 1 << 16
+MAX_LAYERS = 1 << 10
+MAX_VOCAB = 1 << 22
+MAX_SEQ_LEN = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family transformer hyperparameters (llama2.c's `Config`, plus norm and RoPE settings).
+
+    Attributes:
+      dim: width of the residual stream (tokens are `f32[dim]` vectors).
+      hidden_dim: width of the SwiGLU feed-forward layer.
+      n_layers: number of transformer layers.
+      n_heads: number of query heads.
+      n_kv_heads: number of key/value heads; `n_heads % n_kv_heads == 0` (grouped-query
+        attention when smaller than `n_heads`).
+      vocab_size: number of tokens.
+      seq_len: maximum sequence length in tokens (size of the KV cache).
+      shared_weights: True when the classifier `wcls` is the token embedding table.
+      norm_eps: epsilon inside RMSNorm's square root (llama2.c: 1e-5).
+      rope_theta: RoPE base frequency (llama2.c: 10000).
+      head_dim: size of one attention head; defaults to `dim // n_heads` as in run.c.
+
+    Raises:
+      ConfigError: a size that is non-positive or absurdly large, or sizes that do not fit
+        together (heads not dividing, odd head_dim).
+    """
+
+    dim: int
+    hidden_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    seq_len: int
+    shared_weights: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    head_dim: int = 0  # 0: derive dim // n_heads
+
+    def __post_init__(self):
+        limits = {
+            "dim": MAX_DIM,
+            "hidden_dim": 8 * MAX_DIM,
+            "n_layers": MAX_LAYERS,
+            "n_heads": MAX_DIM,
+            "n_kv_heads": MAX_DIM,
+            "vocab_size": MAX_VOCAB,
+            "seq_len": MAX_SEQ_LEN,
+        }
+        for name, limit in limits.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+            if not 0 < value <= limit:
+                raise ConfigError(f"{name}={value} is out of range (1..{limit})")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise ConfigError(f"dim={self.dim} is not a multiple of n_heads={self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if not 0 < self.head_dim <= MAX_DIM:
+            raise ConfigError(f"head_dim={self.head_dim} is out of range (1..{MAX_DIM})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} is odd; RoPE rotates pairs")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps={self.norm_eps} must be positive")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be positive")
+
+    @property
+    def q_dim(self) -> int:
+        """Width of all query heads together: `n_heads * head_dim` (== dim for llama2.c models)."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of all key (or value) heads together: `n_kv_heads * head_dim`."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def kv_mul(self) -> int:
+        """Query heads per key/value head (`n_heads // n_kv_heads`), as run.c's kv_mul."""
+        return self.n_heads // self.n_kv_heads
+
+    def n_params(self) -> int:
+        """Number of parameters (a shared classifier counted once)."""
+        per_layer = (
+            2 * self.dim  # rms_att_weight, rms_ffn_weight
+            + self.q_dim * self.dim * 2  # wq, wo
+            + self.kv_dim * self.dim * 2  # wk, wv
+            + self.hidden_dim * self.dim * 3  # w1, w2, w3
+        )
+        cls = 0 if self.shared_weights else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + cls

@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+Every error jllama raises for bad input (a missing or malformed file, a tokenizer that does not
+fit the checkpoint, an out-of-range setting) is a `JllamaError`. Its message is one line that
+names the file, flag or field and says what is wrong, so the CLI can print it as is and exit 1.
+"""
+
+
+class JllamaError(Exception):
+    """Base class: a failure caused by the user's input, with a one-line message."""
+
+
+class ConfigError(JllamaError, ValueError):
+    """Model hyperparameters that are inconsistent or out of range."""
+
+
+class CheckpointError(JllamaError):
+    """A checkpoint file that is missing, truncated, too long, or has a bad header."""
+
+
+class TokenizerError(JllamaError):
+    """A tokenizer file that is missing or malformed, or does not match the checkpoint."""

@@ -1,0 +1,1 @@
+"""Readers and writers of model files, one module per format."""

@@ -1,0 +1,144 @@
+"""The generation loop, as llama2.c run.c's `generate`, apart from any model or sampler.
+
+The loop takes any `forward(token, pos) -> logits` and any `sample(logits) -> token`: the prompt
+tokens are fed one position at a time with no sampling while the prompt lasts, then each
+position's logits are sampled. It stops after `steps` positions or when a stop token (BOS or
+EOS by default) is produced; the stop token itself is not yielded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+BOS_ID = 1
+EOS_ID = 2
+
+Forward = Callable[[int, int], np.ndarray]
+Sample = Callable[[np.ndarray], int]
+
+
+def resolve_steps(steps: int, seq_len: int) -> int:
+    """Positions to run, as run.c: values < 1 or > seq_len mean seq_len."""
+    return seq_len if steps < 1 or steps > seq_len else steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """One token after the first prompt token, in order.
+
+    Attributes:
+      id: the token id.
+      prev: the token before it (the decoder needs it: a piece after BOS loses its leading
+        space).
+      pos: its position in the sequence (the first prompt token is at 0).
+      sampled: False for a prompt token (forced), True for a generated one.
+    """
+
+    id: int
+    prev: int
+    pos: int
+    sampled: bool
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Counts and timings of one generation, filled in as it runs.
+
+    Attributes:
+      prompt_tokens: tokens of the prompt fed (BOS included), tokens.
+      generated_tokens: tokens sampled (the stop token not counted), tokens.
+      prefill_seconds: from the start to the first sampled token: the prompt's forward
+        passes, seconds (time to first token).
+      decode_seconds: from the first sampled token to the last one (a stop token included),
+        seconds.
+      decode_steps: tokens sampled after the first one (a stop token included): the forward
+        passes that `decode_seconds` covers.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """Prompt tokens per second (0 when nothing was measured)."""
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens sampled per second after the first one (0 when fewer than two)."""
+        if self.decode_steps == 0 or self.decode_seconds <= 0:
+            return 0.0
+        return self.decode_steps / self.decode_seconds
+
+
+class Generation:
+    """An iterator over the tokens of one generation, with its `stats` and `generated_ids`.
+
+    Args:
+      forward: the model step, `forward(token, pos) -> logits f32[vocab_size]`.
+      prompt_ids: the prompt, BOS included when wanted; at least one token.
+      sample: `sample(logits) -> token id`.
+      steps: number of positions to run (the prompt's included), >= 1.
+      stop_ids: tokens that end the generation when sampled (not yielded).
+      clock: seconds as a float (injectable for tests).
+
+    Raises:
+      ValueError: an empty prompt or steps < 1.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        prompt_ids: Sequence[int],
+        sample: Sample,
+        steps: int,
+        stop_ids: Sequence[int] = (BOS_ID, EOS_ID),
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token (e.g. BOS)")
+        if steps < 1:
+            raise ValueError(f"steps={steps} must be at least 1")
+        self.prompt_ids = list(prompt_ids)
+        self.generated_ids: list[int] = []
+        self.stats = GenerationStats(prompt_tokens=min(len(self.prompt_ids), steps))
+        self._tokens = self._run(forward, sample, steps, frozenset(stop_ids), clock)
+
+    def __iter__(self) -> Iterator[Token]:
+        return self._tokens
+
+    def __next__(self) -> Token:
+        return next(self._tokens)
+
+    def _run(self, forward, sample, steps, stop_ids, clock) -> Iterator[Token]:
+        prompt = self.prompt_ids
+        stats = self.stats
+        start = clock()
+        first_sampled_at = None
+        token = prompt[0]
+        for pos in range(steps):
+            logits = forward(token, pos)
+            if pos + 1 < len(prompt):
+                next_token, sampled = prompt[pos + 1], False
+            else:
+                next_token, sampled = int(sample(logits)), True
+                now = clock()
+                if first_sampled_at is None:
+                    first_sampled_at = now
+                    stats.prefill_seconds = now - start
+                else:
+                    stats.decode_seconds = now - first_sampled_at
+                    stats.decode_steps += 1
+                if next_token in stop_ids:
+                    return
+                stats.generated_tokens += 1
+                self.generated_ids.append(next_token)
+            yield Token(id=next_token, prev=token, pos=pos + 1, sampled=sampled)
+            token = next_token

@@ -1,0 +1,43 @@
+"""Compiled program 3 of the decode step: attention output projection, residual, FFN RMSNorm,
+SwiGLU feed-forward, residual."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jllama.config import ModelConfig
+from jllama.graphs.ops import matmul, rmsnorm
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def block(
+    config: ModelConfig,
+    x: jax.Array,
+    att: jax.Array,
+    wo: jax.Array,
+    rms_ffn_weight: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+) -> jax.Array:
+    """The rest of one layer after attention, as llama2.c run.c.
+
+    `x + wo @ att`, then `x + w2 @ (silu(w1 @ h) * (w3 @ h))` with `h = rmsnorm(x)`.
+
+    Args:
+      config: static.
+      x: f32[dim], the residual stream entering the layer.
+      att: f32[q_dim], the attention output.
+      wo: f32[dim, q_dim]; rms_ffn_weight: f32[dim];
+      w1, w3: f32[hidden_dim, dim]; w2: f32[dim, hidden_dim] (out x in).
+
+    Returns:
+      f32[dim], the residual stream leaving the layer.
+    """
+    with jax.named_scope("wo"):
+        x = x + matmul(wo, att)
+    with jax.named_scope("ffn"):
+        h = rmsnorm(x, rms_ffn_weight, config.norm_eps)
+        return x + matmul(w2, jax.nn.silu(matmul(w1, h)) * matmul(w3, h))

@@ -1,0 +1,28 @@
+"""Compiled program 4 of the decode step: final RMSNorm and the classifier."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jllama.config import ModelConfig
+from jllama.graphs.ops import matmul, rmsnorm
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def classifier(
+    config: ModelConfig, x: jax.Array, rms_final_weight: jax.Array, wcls: jax.Array
+) -> jax.Array:
+    """Logits for the next token, as llama2.c run.c.
+
+    Args:
+      config: static.
+      x: f32[dim], the residual stream after the last layer.
+      rms_final_weight: f32[dim]; wcls: f32[vocab_size, dim] (out x in).
+
+    Returns:
+      logits: f32[vocab_size].
+    """
+    with jax.named_scope("classifier"):
+        return matmul(wcls, rmsnorm(x, rms_final_weight, config.norm_eps))

@@ -1,0 +1,37 @@
+"""Array operations shared by the compiled programs (jax.numpy, float32).
+
+The same formulas as the NumPy reference (`jllama.backends.numpy_ref`), written for tracing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# f32 matrix products at full f32 precision: the default lets GPUs use TF32 (10-bit mantissa),
+# which would break parity with the reference; on XLA CPU it costs nothing.
+PRECISION = jax.lax.Precision.HIGHEST
+
+
+def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
+    """w: f32[out, in] (one row per output), x: f32[in] -> f32[out]."""
+    return jnp.dot(w, x, precision=PRECISION)
+
+
+def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as llama2.c run.c: `weight * x / sqrt(mean(x**2) + eps)`; f32[n] -> f32[n]."""
+    ms = jnp.dot(x, x, precision=PRECISION) / x.shape[-1] + eps
+    return weight * (x * jax.lax.rsqrt(ms))
+
+
+def rope(heads: jax.Array, pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate adjacent pairs (2i, 2i+1) of each head by `pos * inv_freq[i]` (run.c's RoPE).
+
+    heads: f32[n, head_dim]; pos: int32 scalar; inv_freq: f32[head_dim // 2] -> f32[n, head_dim].
+    """
+    n, head_dim = heads.shape
+    pairs = heads.reshape(n, head_dim // 2, 2)
+    angle = pos.astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    v0, v1 = pairs[..., 0], pairs[..., 1]
+    return jnp.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], axis=-1).reshape(n, head_dim)

@@ -1,0 +1,223 @@
+"""Transformer weights in two layouts.
+
+`TransformerWeights` is the layout of llama2.c checkpoint files: every per-layer tensor stacked
+on a leading `n_layers` axis, matrices row-major with one row per output ("out x in", which is
+how run.c's `matmul(xout, x, w, n, d)` reads them: `xout[i] = sum_j w[i, j] * x[j]`).
+
+`GraphWeights` is the layout the compiled JAX programs take: one `LayerWeights` per layer, each
+holding its own separate arrays, with wq/wk/wv stacked into one `wqkv` matrix (as the llama
+egg's `transformer-weights->am-weights` and gpt-fast's fused QKV). Separate per-layer arrays
+matter on XLA CPU: slicing a layer out of a stacked array inside a compiled program makes XLA
+copy the whole matrix before the dot (see `../shared/xla-cpu-notes.md`).
+
+Both are frozen dataclasses registered as JAX pytrees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jllama.config import ModelConfig
+from jllama.errors import ConfigError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TransformerWeights:
+    """All weights of a model in llama2.c's file layout (row-major, out x in).
+
+    Shapes (L = n_layers, all float32 as read from a llama2.c file):
+      token_embedding_table: [vocab_size, dim]
+      rms_att_weight: [L, dim]          attention RMSNorm gains
+      wq: [L, q_dim, dim]               q_dim = n_heads * head_dim
+      wk: [L, kv_dim, dim]              kv_dim = n_kv_heads * head_dim
+      wv: [L, kv_dim, dim]
+      wo: [L, dim, q_dim]
+      rms_ffn_weight: [L, dim]          feed-forward RMSNorm gains
+      w1: [L, hidden_dim, dim]          SwiGLU gate projection
+      w2: [L, dim, hidden_dim]          SwiGLU down projection
+      w3: [L, hidden_dim, dim]          SwiGLU up projection
+      rms_final_weight: [dim]
+      wcls: [vocab_size, dim]           classifier; the same array as token_embedding_table
+                                        when the config's shared_weights is True
+    """
+
+    token_embedding_table: np.ndarray
+    rms_att_weight: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    rms_ffn_weight: np.ndarray
+    w1: np.ndarray
+    w2: np.ndarray
+    w3: np.ndarray
+    rms_final_weight: np.ndarray
+    wcls: np.ndarray
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every `TransformerWeights` field for `config`, in llama2.c file order."""
+    c = config
+    L = c.n_layers
+    return {
+        "token_embedding_table": (c.vocab_size, c.dim),
+        "rms_att_weight": (L, c.dim),
+        "wq": (L, c.q_dim, c.dim),
+        "wk": (L, c.kv_dim, c.dim),
+        "wv": (L, c.kv_dim, c.dim),
+        "wo": (L, c.dim, c.q_dim),
+        "rms_ffn_weight": (L, c.dim),
+        "w1": (L, c.hidden_dim, c.dim),
+        "w2": (L, c.dim, c.hidden_dim),
+        "w3": (L, c.hidden_dim, c.dim),
+        "rms_final_weight": (c.dim,),
+        "wcls": (c.vocab_size, c.dim),
+    }
+
+
+def check_shapes(config: ModelConfig, weights: TransformerWeights) -> None:
+    """Raise ConfigError naming the first field whose shape does not fit `config`."""
+    for name, shape in expected_shapes(config).items():
+        actual = tuple(np.shape(getattr(weights, name)))
+        if actual != shape:
+            raise ConfigError(f"weights.{name} has shape {actual}, expected {shape} for {config}")
+
+
+def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> TransformerWeights:
+    """Random float32 weights for `config` (normal(0, scale) matrices, RMSNorm gains near 1).
+
+    For tests and benchmarks: the model is meaningless but every code path is exercised.
+    When `config.shared_weights` is True, `wcls` is the embedding table itself.
+    """
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, shape in expected_shapes(config).items():
+        if name.startswith("rms_"):
+            arrays[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            arrays[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    if config.shared_weights:
+        arrays["wcls"] = arrays["token_embedding_table"]
+    return TransformerWeights(**arrays)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """One layer's weights in the compiled programs' layout (out x in).
+
+    Shapes:
+      rms_att_weight: [dim]
+      wqkv: [q_dim + 2 * kv_dim, dim]   rows: wq's, then wk's, then wv's
+      wo: [dim, q_dim]
+      rms_ffn_weight: [dim]
+      w1: [hidden_dim, dim]
+      w2: [dim, hidden_dim]
+      w3: [hidden_dim, dim]
+    """
+
+    rms_att_weight: np.ndarray
+    wqkv: np.ndarray
+    wo: np.ndarray
+    rms_ffn_weight: np.ndarray
+    w1: np.ndarray
+    w2: np.ndarray
+    w3: np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GraphWeights:
+    """The whole model in the compiled programs' layout.
+
+    Attributes:
+      token_embedding_table: [vocab_size, dim], kept where it was (a host array is fine: the
+        embedding lookup is one row per token).
+      layers: one `LayerWeights` per layer, each with its own arrays.
+      rms_final_weight: [dim]
+      wcls: [vocab_size, dim]
+    """
+
+    token_embedding_table: np.ndarray
+    layers: tuple[LayerWeights, ...]
+    rms_final_weight: np.ndarray
+    wcls: np.ndarray
+
+
+def to_graph_weights(weights: TransformerWeights) -> GraphWeights:
+    """Convert file-layout weights to the per-layer layout (NumPy arrays, copied once).
+
+    The egg's `transformer-weights->am-weights`: splits the stacked tensors into per-layer
+    arrays and stacks wq, wk, wv of each layer into one `wqkv` matrix, so the QKV projection
+    is a single matrix-vector product.
+    """
+    n_layers = weights.rms_att_weight.shape[0]
+    layers = tuple(
+        LayerWeights(
+            rms_att_weight=np.array(weights.rms_att_weight[l]),
+            wqkv=np.concatenate([weights.wq[l], weights.wk[l], weights.wv[l]], axis=0),
+            wo=np.array(weights.wo[l]),
+            rms_ffn_weight=np.array(weights.rms_ffn_weight[l]),
+            w1=np.array(weights.w1[l]),
+            w2=np.array(weights.w2[l]),
+            w3=np.array(weights.w3[l]),
+        )
+        for l in range(n_layers)
+    )
+    return GraphWeights(
+        token_embedding_table=weights.token_embedding_table,
+        layers=layers,
+        rms_final_weight=np.array(weights.rms_final_weight),
+        wcls=weights.wcls,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorStats:
+    """Summary of one weight tensor (for `jllama --verify_checkpoint`).
+
+    Attributes:
+      name: field name in `TransformerWeights`.
+      shape: tensor shape.
+      min, max, mean: over the finite values (NaN when there are none), as float64.
+      n_nonfinite: number of NaN or infinite values.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    min: float
+    max: float
+    mean: float
+    n_nonfinite: int
+
+    @property
+    def finite(self) -> bool:
+        return self.n_nonfinite == 0
+
+
+def tensor_stats(weights: TransformerWeights) -> list[TensorStats]:
+    """Statistics of every tensor in file order (a shared `wcls` listed once, as the
+    embedding table). Reads each tensor once."""
+    stats = []
+    for field in dataclasses.fields(weights):
+        if field.name == "wcls" and weights.wcls is weights.token_embedding_table:
+            continue
+        array = np.asarray(getattr(weights, field.name))
+        finite_mask = np.isfinite(array)
+        n_finite = int(np.count_nonzero(finite_mask))
+        values = array[finite_mask] if n_finite < array.size else array
+        stats.append(
+            TensorStats(
+                name=field.name,
+                shape=tuple(array.shape),
+                min=float(values.min()) if n_finite else float("nan"),
+                max=float(values.max()) if n_finite else float("nan"),
+                mean=float(values.mean(dtype=np.float64)) if n_finite else float("nan"),
+                n_nonfinite=array.size - n_finite,
+            )
+        )
+    return stats
