@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from jllama import runtime
 from jllama.backends import backend_names, make_backend
@@ -108,6 +108,9 @@ def _rates(stats: GenerationStats) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if not FLAGS["verbosity"].present:
+        # absl logs at INFO by default, which prints JAX's platform probing on every run.
+        logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise JllamaError(f"unexpected argument {argv[1]!r} (flags take the form --name=value)")
     if FLAGS.threads:
@@ -177,7 +180,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return FLAGS(argv)
     except flags.Error as e:
-        print(f"jllama: error: {e}", file=sys.stderr)
+        message = str(e).removeprefix("ERROR:: ")  # absl's prefix for flagfile errors
+        print(f"jllama: error: {message}", file=sys.stderr)
         sys.exit(1)
 
 

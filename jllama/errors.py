@@ -20,3 +20,7 @@ class CheckpointError(JllamaError):
 
 class TokenizerError(JllamaError):
     """A tokenizer file that is missing or malformed, or does not match the checkpoint."""
+
+
+class SamplerError(JllamaError, ValueError):
+    """A sampling setting out of range (temperature, top_p, seed)."""

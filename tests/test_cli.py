@@ -1,0 +1,153 @@
+"""The `jllama` command, run as a user runs it (a subprocess of the installed console script)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import STORIES260K, TOKENIZER_32K, load_json
+
+REPO = Path(__file__).parent.parent
+
+# ../shared/README.md: stories260K.bin + tok512.bin at temperature 0 from the start token,
+# 200 steps (run.c's output, which ends with a newline).
+STORY = """Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball. She wanted to play with it, but it was too high.
+Lily's mom said, "Lily, let's go to the park." Lily was sad and didn't know what to do. She said, "I want to play with your ball, but I can't find it."
+Lily was sad and didn't know what to do. She said, "I'm sorry, Lily. I didn't know what to do."
+Lily didn't want to help her mom, so she
+"""
+
+
+def jllama_command() -> list[str]:
+    script = Path(sys.executable).parent / "jllama"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "jllama"]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        jllama_command() + list(args), capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.parametrize("backend", ["jax", "numpy"])
+def test_default_greedy_story(backend):
+    result = run("--temperature=0", "--steps=200", f"--backend={backend}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == STORY
+    assert "achieved tok/s" in result.stderr
+
+
+def test_no_flags_tells_a_sampled_story_and_prints_its_seed():
+    result = run()
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout) > 200
+    seed = int(result.stderr.split("--seed=")[1].split(")")[0])
+    again = run(f"--seed={seed}")  # the printed seed repeats the run
+    assert again.stdout == result.stdout
+
+
+def test_json_output_matches_run_c_oracle():
+    case = next(
+        c for c in load_json("generate_stories260K.json")["cases"]
+        if c["prompt"] == "Once upon a time" and c["temperature"] == 1.0 and c["topp"] == 0.9
+    )
+    args = [
+        f"--prompt={case['prompt']}", "--temperature=1.0", "--top_p=0.9",
+        f"--seed={case['seed']}", f"--steps={case['steps']}",
+    ]
+    result = run("--output_format=json", *args)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["prompt_ids"] == case["prompt_ids"]
+    assert out["generated_ids"] == case["generated_ids"]
+    assert out["decode_tok_s"] > 0 and out["prefill_tok_s"] > 0
+    # "text" is the continuation alone: the text output is the prompt, then it, then "\n".
+    text = run(*args)
+    assert text.stdout == case["prompt"] + out["text"] + "\n"
+
+
+def test_text_output_prints_the_prompt_then_the_continuation():
+    result = run("--prompt=Once upon a time", "--temperature=0", "--steps=20")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Once upon a time, there was a little girl")
+
+
+def test_flagfile_preset():
+    result = run(f"--flagfile={REPO / 'configs' / 'greedy.flags'}", "--steps=200")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == STORY
+
+
+def test_verify_checkpoint_reports_every_tensor():
+    result = run("--verify_checkpoint")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:2] == ["tensor", "shape"]
+    names = [line.split()[0] for line in lines[1:]]
+    # a shared classifier is listed once, as the embedding table
+    assert names == [
+        "token_embedding_table", "rms_att_weight", "wq", "wk", "wv", "wo", "rms_ffn_weight",
+        "w1", "w2", "w3", "rms_final_weight",
+    ]
+    assert all(line.endswith("yes") for line in lines[1:])
+
+
+def test_verify_checkpoint_fails_on_a_nan(tmp_path):
+    data = bytearray(STORIES260K.read_bytes())
+    data[28 + 4 * 100 : 28 + 4 * 101] = b"\x00\x00\xc0\x7f"  # a NaN in the embedding table
+    bad = tmp_path / "nan.bin"
+    bad.write_bytes(bytes(data))
+    tok = REPO / "jllama" / "data" / "tok512.bin"
+    result = run(f"--checkpoint={bad}", f"--tokenizer={tok}", "--verify_checkpoint")
+    assert result.returncode == 1
+    assert "NO (1 values)" in result.stdout
+
+
+def _assert_one_line_error(result, *needles):
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("jllama: error: ")
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--temperature=hot"], ["--temperature", "hot"]),
+        (["--temperature=-1"], ["--temperature"]),
+        (["--temperature=nan"], ["--temperature", "finite"]),
+        (["--top_p=1.5"], ["--top_p"]),
+        (["--backend=torch"], ["--backend"]),
+        (["--output_format=xml"], ["--output_format"]),
+        (["--seed=-4"], ["--seed"]),
+        (["--threads=999"], ["--threads"]),
+        (["--steps=many"], ["--steps"]),
+        (["--no_such_flag"], ["no_such_flag"]),
+        (["--flagfile=/no/such.flags"], ["/no/such.flags"]),
+        (["story"], ["unexpected argument", "story"]),
+        (["--checkpoint=/no/such/model.bin"], ["/no/such/model.bin", "no such file"]),
+        ([f"--tokenizer={TOKENIZER_32K}"], ["tokenizer.bin", "32000", "512"]),
+        (["--tokenizer=/no/such/tok.bin"], ["/no/such/tok.bin"]),
+    ],
+)
+def test_bad_flags_and_files_give_one_line_and_exit_1(args, needles):
+    _assert_one_line_error(run(*args), *needles)
+
+
+def test_truncated_checkpoint_gives_one_line(tmp_path):
+    bad = tmp_path / "cut.bin"
+    bad.write_bytes(STORIES260K.read_bytes()[:5000])
+    _assert_one_line_error(run(f"--checkpoint={bad}"), "cut.bin", "truncated")
+
+
+def test_prompt_longer_than_the_context_gives_one_line():
+    _assert_one_line_error(run("--prompt=" + "abc " * 400), "--prompt", "seq_len=512")
