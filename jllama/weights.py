@@ -149,29 +149,31 @@ class GraphWeights:
 
 
 def to_graph_weights(weights: TransformerWeights) -> GraphWeights:
-    """Convert file-layout weights to the per-layer layout (NumPy arrays, copied once).
+    """Convert file-layout weights to the per-layer layout, on the host (NumPy).
 
     The egg's `transformer-weights->am-weights`: splits the stacked tensors into per-layer
     arrays and stacks wq, wk, wv of each layer into one `wqkv` matrix, so the QKV projection
-    is a single matrix-vector product.
+    is a single matrix-vector product. Only `wqkv` is new memory; the other per-layer arrays
+    are views of the stacked ones (a layer of a C-contiguous stack is contiguous), so putting
+    the result on a device copies each weight once.
     """
     n_layers = weights.rms_att_weight.shape[0]
     layers = tuple(
         LayerWeights(
-            rms_att_weight=np.array(weights.rms_att_weight[l]),
+            rms_att_weight=weights.rms_att_weight[l],
             wqkv=np.concatenate([weights.wq[l], weights.wk[l], weights.wv[l]], axis=0),
-            wo=np.array(weights.wo[l]),
-            rms_ffn_weight=np.array(weights.rms_ffn_weight[l]),
-            w1=np.array(weights.w1[l]),
-            w2=np.array(weights.w2[l]),
-            w3=np.array(weights.w3[l]),
+            wo=weights.wo[l],
+            rms_ffn_weight=weights.rms_ffn_weight[l],
+            w1=weights.w1[l],
+            w2=weights.w2[l],
+            w3=weights.w3[l],
         )
         for l in range(n_layers)
     )
     return GraphWeights(
         token_embedding_table=weights.token_embedding_table,
         layers=layers,
-        rms_final_weight=np.array(weights.rms_final_weight),
+        rms_final_weight=weights.rms_final_weight,
         wcls=weights.wcls,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,19 @@ def test_truncated_checkpoint_gives_one_line(tmp_path):
     bad = tmp_path / "cut.bin"
     bad.write_bytes(STORIES260K.read_bytes()[:5000])
     _assert_one_line_error(run(f"--checkpoint={bad}"), "cut.bin", "truncated")
+
+
+def test_checkpoint_longer_than_its_header_gives_one_line(tmp_path):
+    bad = tmp_path / "long.bin"
+    bad.write_bytes(STORIES260K.read_bytes() + bytes(8))
+    _assert_one_line_error(run(f"--checkpoint={bad}"), "long.bin", "longer")
+
+
+@pytest.mark.parametrize("header", [(0, 172, 5, 8, 4, 512, 512), (64, 172, 5, 8, 4, 512, 2**30)])
+def test_impossible_header_gives_one_line(tmp_path, header):
+    bad = tmp_path / "header.bin"
+    bad.write_bytes(struct.pack("<7i", *header) + STORIES260K.read_bytes()[28:])
+    _assert_one_line_error(run(f"--checkpoint={bad}"), "header.bin", "bad header")
 
 
 def test_prompt_longer_than_the_context_gives_one_line():

@@ -17,7 +17,7 @@ from jllama import graphs
 from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
 from jllama.rope import rope_frequencies
-from jllama.weights import GraphWeights, TransformerWeights, check_shapes, to_graph_weights
+from jllama.weights import TransformerWeights, check_shapes, to_graph_weights
 
 
 class JaxGraphBackend:
@@ -47,18 +47,9 @@ class JaxGraphBackend:
         host = to_graph_weights(weights)
         # The embedding table stays on the host: one row per token is all a step needs.
         self.token_embedding_table = np.asarray(host.token_embedding_table)
-        on_device: GraphWeights = jax.device_put(
-            GraphWeights(
-                token_embedding_table=np.zeros((0, config.dim), np.float32),
-                layers=host.layers,
-                rms_final_weight=host.rms_final_weight,
-                wcls=host.wcls,
-            ),
-            self.device,
+        self.layers, self.rms_final_weight, self.wcls = jax.device_put(
+            (host.layers, host.rms_final_weight, host.wcls), self.device
         )
-        self.layers = on_device.layers
-        self.rms_final_weight = on_device.rms_final_weight
-        self.wcls = on_device.wcls
         self.inv_freq = jax.device_put(rope_frequencies(config), self.device)
         shape = (config.n_kv_heads, config.seq_len, config.head_dim)
         self.key_cache = [jnp.zeros(shape, jnp.float32, device=self.device) for _ in self.layers]
