@@ -10,18 +10,22 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 from absl import app, flags, logging
 
 from jllama import runtime
 from jllama.backends import backend_names, make_backend
 from jllama.errors import JllamaError
+from jllama.files import require_regular_file
+from jllama.formats.llama2c import read_checkpoint
 from jllama.generate import Generation, GenerationStats, resolve_steps
-from jllama.loading import load_model
+from jllama.loading import embedded_checkpoint, load_tokenizer
 from jllama.sampling import Sampler, seed_from_clock
 from jllama.weights import tensor_stats
 
 FLAGS = flags.FLAGS
+_F32_MAX = 3.4028234663852886e38
 
 flags.DEFINE_string(
     "checkpoint", None, "llama2.c checkpoint (.bin, version 0). Default: the embedded stories260K."
@@ -29,8 +33,8 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "tokenizer",
     None,
-    "llama2.c tokenizer file. Default: tokenizer.bin or tok<vocab_size>.bin beside the "
-    "checkpoint, else the embedded tok512.bin.",
+    "llama2.c tokenizer file. Default: tok<vocab_size>.bin or tokenizer.bin beside the "
+    "checkpoint, else (for vocab_size 512) the embedded tok512.bin.",
 )
 flags.DEFINE_float(
     "temperature", 1.0, "Sampling temperature; 0 = greedy (argmax).", lower_bound=0.0
@@ -75,7 +79,9 @@ flags.DEFINE_enum(
 )
 
 flags.register_validator(
-    "temperature", lambda t: math.isfinite(t), message="must be a finite number"
+    "temperature",
+    lambda t: math.isfinite(t) and t <= _F32_MAX,
+    message="must be a finite number no larger than 3.4e38 (a float32)",
 )
 flags.register_validator("top_p", lambda p: math.isfinite(p), message="must be a finite number")
 flags.register_validator(
@@ -83,6 +89,8 @@ flags.register_validator(
     lambda n: n <= runtime.available_cpus(),
     message=f"exceeds the {runtime.available_cpus()} CPUs available",
 )
+for _name in ("checkpoint", "tokenizer"):
+    flags.register_validator(_name, lambda v: v is None or v != "", message="is empty")
 
 
 def _verify(weights) -> int:
@@ -115,9 +123,11 @@ def main(argv: list[str]) -> int:
         raise JllamaError(f"unexpected argument {argv[1]!r} (flags take the form --name=value)")
     if FLAGS.threads:
         runtime.limit_cpu_threads(FLAGS.threads)
-    config, weights, tokenizer = load_model(FLAGS.checkpoint, FLAGS.tokenizer)
+    checkpoint = Path(FLAGS.checkpoint) if FLAGS.checkpoint else embedded_checkpoint()
+    config, weights = read_checkpoint(checkpoint)
     if FLAGS.verify_checkpoint:
         return _verify(weights)
+    tokenizer = load_tokenizer(checkpoint, config.vocab_size, FLAGS.tokenizer)
 
     prompt_ids = tokenizer.encode(FLAGS.prompt, bos=True, eos=False)
     if len(prompt_ids) > config.seq_len:
@@ -126,18 +136,20 @@ def main(argv: list[str]) -> int:
             f"(seq_len={config.seq_len})"
         )
     steps = resolve_steps(FLAGS.steps, config.seq_len)
-    if len(prompt_ids) >= steps:
+    if len(prompt_ids) > steps:
         print(
-            f"jllama: warning: the prompt ({len(prompt_ids)} tokens) fills --steps={steps}; "
-            "nothing will be generated",
+            f"jllama: warning: the prompt ({len(prompt_ids)} tokens) is longer than "
+            f"--steps={steps}; nothing will be generated",
             file=sys.stderr,
         )
-    seed = FLAGS.seed or seed_from_clock()
+    sampler = Sampler(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or None)
+    seed = sampler.config.seed
     if FLAGS.temperature > 0 and not FLAGS.seed:
         print(f"jllama: seed {seed} (repeat with --seed={seed})", file=sys.stderr)
-    sampler = Sampler(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=seed)
 
     backend = make_backend(FLAGS.backend)
+    if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
+        runtime.check_kv_cache_fits(config)
     backend.prepare(config, weights)
     generation = Generation(backend.forward, prompt_ids, sampler, steps)
 
@@ -146,7 +158,8 @@ def main(argv: list[str]) -> int:
             pass
         stats = generation.stats
         result = {
-            "prompt": FLAGS.prompt,
+            # A prompt from undecodable argv bytes holds surrogates, which JSON can't carry.
+            "prompt": FLAGS.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
             "prompt_ids": generation.prompt_ids,
             "generated_ids": generation.generated_ids,
             "text": tokenizer.decode(generation.generated_ids, prev=prompt_ids[-1]),
@@ -161,7 +174,7 @@ def main(argv: list[str]) -> int:
             "decode_seconds": stats.decode_seconds,
             "compile_seconds": getattr(backend, "compile_seconds", 0.0),
         }
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
         return 0
 
     decoder = tokenizer.stream_decoder()
@@ -175,33 +188,94 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _fail(message: str, status: int = 1):
+    # One line, whatever the message holds (a path with a newline, a multi-line library error).
+    one_line = " ".join(str(message).split("\n"))
+    print(f"jllama: error: {one_line}", file=sys.stderr)
+    sys.exit(status)
+
+
+_HELP = {"-h", "--help", "-help", "--helpshort", "-?"}
+_USAGE = """usage: jllama [--flag=value ...]
+
+Generates text with a Llama model from a llama2.c checkpoint, as llama2.c's run does.
+With no flags it tells a story from the embedded stories260K model.
+
+  jllama --temperature=0 --steps=200         greedy: the same story every time
+  jllama --prompt="Lily and Tom" --seed=42   a sampled story you can repeat
+  jllama --flagfile=configs/greedy.flags     a preset"""
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser with a one-line error instead of a usage dump."""
+    """absl's parser, with one-line errors and a --help that lists jllama's flags and exits 0."""
+    if any(arg in _HELP for arg in argv[1:]):
+        _print_and_exit(
+            _USAGE + "\n\n" + FLAGS.module_help(sys.modules[__name__])
+            + "\n\n--helpfull lists absl's own flags too."
+        )
+    if "--helpfull" in argv[1:]:
+        _print_and_exit(FLAGS.get_help())
+    for arg in argv[1:]:
+        # A FIFO given as a flagfile would block absl's read forever: refuse it up front.
+        if arg.startswith(("--flagfile=", "-flagfile=")):
+            path = arg.split("=", 1)[1]
+            if path:
+                try:
+                    require_regular_file(Path(path), f"--flagfile={path}", JllamaError)
+                except JllamaError as e:
+                    _fail(str(e))
     try:
         return FLAGS(argv)
     except flags.Error as e:
-        message = str(e).removeprefix("ERROR:: ")  # absl's prefix for flagfile errors
-        print(f"jllama: error: {message}", file=sys.stderr)
-        sys.exit(1)
+        _fail(str(e).removeprefix("ERROR:: "))  # absl's prefix for flagfile errors
+    except UnicodeDecodeError as e:
+        _fail(f"a --flagfile is not UTF-8 text ({e.reason} at byte {e.start})")
+
+
+def _print_and_exit(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `jllama --help | head`
+        _silence_stdout()
+    sys.exit(0)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _main(argv: list[str]) -> None:
     try:
         sys.exit(main(argv))
     except JllamaError as e:
-        print(f"jllama: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        _fail(str(e))
     except KeyboardInterrupt:
         print(file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:
         # The reader went away (e.g. `jllama | head`): stop quietly, as a filter should.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _silence_stdout()
         sys.exit(0)
+    except OSError as e:
+        _silence_stdout()
+        _fail(f"cannot write the output: {e.strerror or e}")
+    except Exception as e:
+        if os.environ.get("JLLAMA_DEBUG"):
+            raise
+        _fail(f"internal error: {type(e).__name__}: {e} (JLLAMA_DEBUG=1 shows the traceback)", 2)
 
 
 def run() -> None:
-    """Console-script entry point."""
+    """Run the command (the console script goes through `jllama.__main__.run`)."""
+    for name in ("stdin", "stdout", "stderr"):
+        if getattr(sys, name) is None:  # started with that stream closed
+            setattr(sys, name, open(os.devnull, "r" if name == "stdin" else "w"))
+    # A terminal that cannot show a character gets a replacement mark, not a crash.
+    sys.stdout.reconfigure(errors="replace")
     app.run(_main, flags_parser=_parse_flags)
 
 

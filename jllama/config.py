@@ -8,6 +8,7 @@ once here, with llama2.c run.c's meanings, so no other module re-derives them.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from jllama.errors import ConfigError
 
@@ -66,8 +67,13 @@ class ModelConfig:
         }
         for name, limit in limits.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if isinstance(value, bool):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
+            try:
+                value = operator.index(value)  # int, or a NumPy integer from a file header
+            except TypeError:
+                raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+            object.__setattr__(self, name, value)
             if not 0 < value <= limit:
                 raise ConfigError(f"{name}={value} is out of range (1..{limit})")
         if self.n_heads % self.n_kv_heads:
@@ -101,6 +107,11 @@ class ModelConfig:
     def kv_mul(self) -> int:
         """Query heads per key/value head (`n_heads // n_kv_heads`), as run.c's kv_mul."""
         return self.n_heads // self.n_kv_heads
+
+    def kv_cache_nbytes(self, itemsize: int = 4) -> int:
+        """Bytes of the key and value caches for `seq_len` positions (f32 by default):
+        `2 * n_layers * n_kv_heads * seq_len * head_dim * itemsize`."""
+        return 2 * self.n_layers * self.n_kv_heads * self.seq_len * self.head_dim * itemsize
 
     def n_params(self) -> int:
         """Number of parameters (a shared classifier counted once)."""

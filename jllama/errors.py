@@ -24,3 +24,15 @@ class TokenizerError(JllamaError):
 
 class SamplerError(JllamaError, ValueError):
     """A sampling setting out of range (temperature, top_p, seed)."""
+
+
+class NumericsError(JllamaError):
+    """The model produced NaN or infinite values (usually broken weights)."""
+
+
+class ResourceError(JllamaError):
+    """Not enough memory (or another resource) for what was asked."""
+
+
+class BackendError(JllamaError):
+    """A backend that cannot start (e.g. JAX finds no usable device)."""

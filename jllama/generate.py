@@ -9,10 +9,13 @@ EOS by default) is produced; the stop token itself is not yielded.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+
+from jllama.errors import NumericsError
 
 BOS_ID = 1
 EOS_ID = 2
@@ -85,12 +88,15 @@ class Generation:
       forward: the model step, `forward(token, pos) -> logits f32[vocab_size]`.
       prompt_ids: the prompt, BOS included when wanted; at least one token.
       sample: `sample(logits) -> token id`.
-      steps: number of positions to run (the prompt's included), >= 1.
+      steps: number of positions to run (the prompt's included), >= 1 and at most the model's
+        seq_len (`resolve_steps` maps run.c's conventions to that).
       stop_ids: tokens that end the generation when sampled (not yielded).
       clock: seconds as a float (injectable for tests).
 
     Raises:
-      ValueError: an empty prompt or steps < 1.
+      ValueError: an empty prompt or steps < 1 (at construction).
+      NumericsError: while iterating, logits that are NaN or infinite at a position where a
+        token is sampled (a broken checkpoint: `jllama --verify_checkpoint` finds it).
     """
 
     def __init__(
@@ -102,11 +108,11 @@ class Generation:
         stop_ids: Sequence[int] = (BOS_ID, EOS_ID),
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if not prompt_ids:
+        self.prompt_ids = [operator.index(t) for t in prompt_ids]
+        if not self.prompt_ids:
             raise ValueError("the prompt must hold at least one token (e.g. BOS)")
         if steps < 1:
             raise ValueError(f"steps={steps} must be at least 1")
-        self.prompt_ids = list(prompt_ids)
         self.generated_ids: list[int] = []
         self.stats = GenerationStats(prompt_tokens=min(len(self.prompt_ids), steps))
         self._tokens = self._run(forward, sample, steps, frozenset(stop_ids), clock)
@@ -128,6 +134,11 @@ class Generation:
             if pos + 1 < len(prompt):
                 next_token, sampled = prompt[pos + 1], False
             else:
+                if not np.isfinite(logits).all():
+                    raise NumericsError(
+                        f"the model's logits at position {pos} are not finite (NaN or inf): "
+                        "the checkpoint's weights may be broken (check with --verify_checkpoint)"
+                    )
                 next_token, sampled = int(sample(logits)), True
                 now = clock()
                 if first_sampled_at is None:
@@ -142,3 +153,5 @@ class Generation:
                 self.generated_ids.append(next_token)
             yield Token(id=next_token, prev=token, pos=pos + 1, sampled=sampled)
             token = next_token
+        if first_sampled_at is None:  # the prompt filled every step: all of it was prefill
+            stats.prefill_seconds = clock() - start

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jllama.config import ModelConfig
 from jllama.formats.llama2c import read_checkpoint
+from jllama.errors import TokenizerError
 from jllama.tokenizers.llama2c import Tokenizer, read_tokenizer
 from jllama.weights import TransformerWeights
 
@@ -30,22 +31,41 @@ def embedded_tokenizer() -> Path:
     return _data_file("tok512.bin")
 
 
-def default_tokenizer_path(checkpoint: str | os.PathLike, vocab_size: int) -> Path:
-    """The tokenizer to use when none is given: in the checkpoint's folder `tokenizer.bin`, else
-    `tok{vocab_size}.bin` (llama2.c's names for its Llama 2 and custom vocabularies), else the
-    embedded tok512.bin. The caller still checks that its size fits the checkpoint."""
+def find_tokenizer(checkpoint: str | os.PathLike, vocab_size: int) -> Tokenizer:
+    """The tokenizer for a checkpoint given none: the first of `tok{vocab_size}.bin` and
+    `tokenizer.bin` in the checkpoint's folder (llama2.c's names for its custom and Llama 2
+    vocabularies) that holds `vocab_size` tokens, else the embedded tok512.bin when
+    vocab_size is 512.
+
+    Raises:
+      TokenizerError: none fits; the message names the files looked at and why each was not
+        taken, and suggests --tokenizer.
+    """
     folder = Path(checkpoint).parent
-    for name in ("tokenizer.bin", f"tok{vocab_size}.bin"):
-        if (folder / name).is_file():
-            return folder / name
-    return embedded_tokenizer()
+    candidates = [folder / f"tok{vocab_size}.bin", folder / "tokenizer.bin"]
+    if vocab_size == 512:
+        candidates.append(embedded_tokenizer())
+    refused = []
+    for path in candidates:
+        if not path.exists():
+            continue
+        try:
+            return read_tokenizer(path, vocab_size=vocab_size)
+        except TokenizerError as e:
+            refused.append(str(e))
+    looked = ", ".join(str(p) for p in candidates)
+    detail = f" ({'; '.join(refused)})" if refused else ""
+    raise TokenizerError(
+        f"no tokenizer with vocab_size={vocab_size} for checkpoint {checkpoint}: looked for "
+        f"{looked}{detail}; pass --tokenizer"
+    )
 
 
 def load_model(
     checkpoint: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None
 ) -> tuple[ModelConfig, TransformerWeights, Tokenizer]:
     """Read a llama2.c checkpoint and its tokenizer (defaults: the embedded stories260K and the
-    tokenizer found by `default_tokenizer_path`).
+    tokenizer `find_tokenizer` picks).
 
     Raises:
       CheckpointError: a missing or malformed checkpoint.
@@ -54,6 +74,17 @@ def load_model(
     """
     checkpoint = Path(checkpoint) if checkpoint else embedded_checkpoint()
     config, weights = read_checkpoint(checkpoint)
+    return config, weights, load_tokenizer(checkpoint, config.vocab_size, tokenizer)
+
+
+def load_tokenizer(
+    checkpoint: str | os.PathLike, vocab_size: int, tokenizer: str | os.PathLike | None = None
+) -> Tokenizer:
+    """`tokenizer` read and checked against `vocab_size`, or `find_tokenizer`'s pick when None.
+
+    Raises:
+      TokenizerError: as `read_tokenizer` and `find_tokenizer`.
+    """
     if tokenizer is None:
-        tokenizer = default_tokenizer_path(checkpoint, config.vocab_size)
-    return config, weights, read_tokenizer(tokenizer, vocab_size=config.vocab_size)
+        return find_tokenizer(checkpoint, vocab_size)
+    return read_tokenizer(tokenizer, vocab_size=vocab_size)

@@ -1,4 +1,4 @@
-"""Process-level settings: how many CPU cores XLA may use.
+"""Process-level settings and resources: CPU cores for XLA, memory.
 
 XLA's CPU client sizes its thread pools from the cores the process may run on when it starts,
 and this version has no flag for it; pinning the process (Linux `sched_setaffinity`) before JAX
@@ -8,6 +8,9 @@ creates its CPU backend is the dependable way to give it N threads.
 from __future__ import annotations
 
 import os
+
+from jllama.config import ModelConfig
+from jllama.errors import ResourceError
 
 
 def available_cpus() -> int:
@@ -32,3 +35,33 @@ def limit_cpu_threads(n: int) -> None:
         raise ValueError(f"threads={n} is out of range (1..{len(cpus)})")
     if cpus:
         os.sched_setaffinity(0, cpus[:n])
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel says can be allocated without swapping (Linux `MemAvailable`), bytes;
+    None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_kv_cache_fits(config: ModelConfig) -> None:
+    """Refuse, before allocating, a KV cache larger than the host memory available.
+
+    Raises:
+      ResourceError: one line with the bytes needed and available.
+    """
+    need = config.kv_cache_nbytes()
+    have = available_memory_bytes()
+    if have is not None and need > have:
+        raise ResourceError(
+            f"the KV cache needs {need / 2**30:.1f} GiB (n_layers={config.n_layers}, "
+            f"n_kv_heads={config.n_kv_heads}, seq_len={config.seq_len}, "
+            f"head_dim={config.head_dim}, f32) but only {have / 2**30:.1f} GiB of memory is "
+            "available"
+        )

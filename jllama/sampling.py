@@ -370,7 +370,15 @@ class Sampler:
         logits = _as_vector(logits, "logits")
         if self._temperature == 0:
             return argmax(logits)
-        probs = softmax(logits / self._temperature)
+        with np.errstate(over="ignore"):
+            scaled = logits / self._temperature
+        if not np.isfinite(scaled.max()):
+            # A temperature so small that logits / temperature overflows float32 (run.c then
+            # computes inf - inf = NaN): shift before dividing, which leaves the most likely
+            # token(s) at 0 and sends the rest to -inf, the limit of a vanishing temperature.
+            with np.errstate(over="ignore"):
+                scaled = (logits - logits.max()) / self._temperature
+        probs = softmax(scaled)
         coin = self.rng.random_f32()
         if self._top_p <= 0 or self._top_p >= 1:
             return sample_mult(probs, coin)

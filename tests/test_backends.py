@@ -165,3 +165,14 @@ def test_generating_100_tokens_compiles_each_program_once(stories260k):
         assert traced.count(program) == 1, (program, traced)
         assert compiled.count(f"jit({program})") == 1, (program, compiled)
     assert len(compiled) == during_prepare  # generating compiled nothing at all
+
+
+@pytest.mark.parametrize("name", ["numpy", "jax"])
+def test_non_integer_token_or_position_raises_type_error(models, name):
+    config, weights, _ = models["random-gqa-unshared"]
+    b = make_backend(name)
+    b.prepare(config, weights)
+    for token, pos in [(1.5, 0), (1, 2.0), (True, 0)]:
+        with pytest.raises(TypeError):
+            b.forward(token, pos)
+    np.testing.assert_array_equal(b.forward(np.int64(3), np.int32(0)), b.forward(3, 0))

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from conftest import STORIES260K, TOKENIZER_32K, load_json
+from conftest import STORIES260K, TOK512, TOKENIZER_32K, load_json
+from jllama.config import ModelConfig
+from jllama.formats.llama2c import write_checkpoint
+from jllama.weights import random_weights
 
 REPO = Path(__file__).parent.parent
 
@@ -103,8 +108,7 @@ def test_verify_checkpoint_fails_on_a_nan(tmp_path):
     data[28 + 4 * 100 : 28 + 4 * 101] = b"\x00\x00\xc0\x7f"  # a NaN in the embedding table
     bad = tmp_path / "nan.bin"
     bad.write_bytes(bytes(data))
-    tok = REPO / "jllama" / "data" / "tok512.bin"
-    result = run(f"--checkpoint={bad}", f"--tokenizer={tok}", "--verify_checkpoint")
+    result = run(f"--checkpoint={bad}", "--verify_checkpoint")
     assert result.returncode == 1
     assert "NO (1 values)" in result.stdout
 
@@ -165,3 +169,89 @@ def test_impossible_header_gives_one_line(tmp_path, header):
 
 def test_prompt_longer_than_the_context_gives_one_line():
     _assert_one_line_error(run("--prompt=" + "abc " * 400), "--prompt", "seq_len=512")
+
+
+def test_help_lists_jllama_flags_and_exits_0():
+    for flag in ("--help", "-h"):
+        result = run(flag)
+        assert result.returncode == 0
+        for name in ("--checkpoint", "--temperature", "--top_p", "--backend", "--threads"):
+            assert name in result.stdout
+
+
+def test_steps_equal_to_prompt_length_generates_one_token_without_warning():
+    result = run("--steps=1", "--temperature=0", "--output_format=json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["generated_ids"] == [403]  # run.c's first greedy token
+    assert "warning" not in result.stderr
+
+
+def test_vanishing_temperature_is_greedy():
+    greedy = run("--temperature=0", "--steps=40").stdout
+    result = run("--temperature=1e-45", "--steps=40", "--seed=3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy
+    assert "Warning" not in result.stderr
+
+
+def test_flagfile_that_is_not_text_gives_one_line(tmp_path):
+    bad = tmp_path / "latin1.flags"
+    bad.write_bytes(b"--prompt=caf\xe9\n")
+    _assert_one_line_error(run(f"--flagfile={bad}"), "--flagfile", "UTF-8")
+
+
+def test_fifo_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for flag in ("--checkpoint", "--tokenizer", "--flagfile"):
+        _assert_one_line_error(run(f"{flag}={fifo}", timeout=60), str(fifo), "not a regular file")
+
+
+def test_output_write_failure_gives_one_line():
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            jllama_command() + ["--steps=5", "--seed=1"], stdout=full, stderr=subprocess.PIPE,
+            text=True, timeout=120,
+        )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "jllama: error: cannot write the output: No space left on device"
+    )
+
+
+def test_nan_weights_stop_generation_with_one_line(tmp_path):
+    data = np.frombuffer(STORIES260K.read_bytes()[28:], "<f4").copy()
+    data[:] = np.nan
+    bad = tmp_path / "nan" / "model.bin"
+    bad.parent.mkdir()
+    bad.write_bytes(STORIES260K.read_bytes()[:28] + data.tobytes())
+    _assert_one_line_error(
+        run(f"--checkpoint={bad}", f"--tokenizer={TOK512}", "--seed=1"), "not finite",
+        "--verify_checkpoint",
+    )
+
+
+def test_tokenizer_beside_the_checkpoint_is_chosen_by_size(tmp_path):
+    # llama2.c's own folder layout: the model, its tok512.bin and the Llama 2 tokenizer.bin.
+    for f in (STORIES260K, TOK512, TOKENIZER_32K):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    result = run(f"--checkpoint={tmp_path / 'stories260K.bin'}", "--temperature=0", "--steps=200")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == STORY
+
+
+def test_no_fitting_tokenizer_names_what_was_looked_for(tmp_path):
+    config = ModelConfig(dim=16, hidden_dim=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                         vocab_size=1000, seq_len=8)
+    write_checkpoint(tmp_path / "m.bin", config, random_weights(config))
+    result = run(f"--checkpoint={tmp_path / 'm.bin'}")
+    _assert_one_line_error(result, "vocab_size=1000", "tok1000.bin", "tokenizer.bin", "--tokenizer")
+    # verifying the weights needs no tokenizer at all
+    result = run(f"--checkpoint={tmp_path / 'm.bin'}", "--verify_checkpoint")
+    assert result.returncode == 0, result.stderr
+
+
+def test_versioned_llama2c_file_is_named(tmp_path):
+    bad = tmp_path / "v1.bin"
+    bad.write_bytes(struct.pack("<Ii", 0x616B3432, 1) + bytes(256))
+    _assert_one_line_error(run(f"--checkpoint={bad}"), "v1.bin", "version 1 or 2")

@@ -74,3 +74,16 @@ def test_empty_prompt_or_zero_steps_rejected():
         Generation(Script().forward, [], sampler_from([]), steps=3)
     with pytest.raises(ValueError, match="steps"):
         Generation(Script().forward, [1], sampler_from([]), steps=0)
+
+
+def test_prompt_may_be_a_numpy_array():
+    g = Generation(Script().forward, np.array([1, 5]), sampler_from([6]), steps=2)
+    assert [t.id for t in g] == [5, 6] and g.prompt_ids == [1, 5]
+
+
+def test_non_finite_logits_raise_a_clear_error():
+    from jllama.errors import NumericsError
+
+    g = Generation(lambda t, p: np.full(4, np.nan, np.float32), [1], sampler_from([2]), steps=3)
+    with pytest.raises(NumericsError, match="position 0 are not finite"):
+        list(g)

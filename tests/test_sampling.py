@@ -582,3 +582,13 @@ def test_module_exports_documented():
         "Sampler",
     ):
         assert getattr(sampling, name).__doc__, name
+
+
+def test_vanishing_temperature_samples_the_argmax_instead_of_nan():
+    # logits / 1e-45 overflows float32 (run.c would get inf - inf = NaN); the limit of a
+    # temperature going to 0 is the most likely token, and one coin is still drawn.
+    logits = np.array([0.5, 2.0, -1.0, 1.9], dtype=np.float32)
+    sampler = Sampler(temperature=1e-45, top_p=0.9, seed=11)
+    with np.errstate(all="raise"):
+        assert sampler.sample(logits) == 1
+    assert sampler.rng.state != 11

@@ -69,3 +69,20 @@ def test_tensor_stats_by_hand():
     assert stats["wo"].n_nonfinite == 1 and not stats["wo"].finite
     assert stats["w2"].n_nonfinite == 1 and np.isfinite(stats["w2"].max)
     assert "wcls" in stats  # unshared: listed
+
+
+def test_numpy_integers_are_accepted_as_sizes():
+    c = ModelConfig(*(np.int64(v) for v in (32, 40, 2, 4, 2, 20, 16)))
+    assert c == ModelConfig(32, 40, 2, 4, 2, 20, 16) and type(c.dim) is int
+
+
+def test_kv_cache_larger_than_memory_is_refused_before_allocating():
+    from jllama.errors import ResourceError
+    from jllama.runtime import check_kv_cache_fits
+
+    huge = ModelConfig(dim=64, hidden_dim=64, n_layers=1024, n_heads=8, n_kv_heads=8,
+                       vocab_size=512, seq_len=1 << 22)
+    assert huge.kv_cache_nbytes() == 2 * 1024 * 8 * (1 << 22) * 8 * 4  # 2 TiB
+    with pytest.raises(ResourceError, match="KV cache needs 2048.0 GiB"):
+        check_kv_cache_fits(huge)
+    check_kv_cache_fits(GQA)  # a small one passes

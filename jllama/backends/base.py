@@ -7,6 +7,7 @@ sequence (nothing from earlier sequences is visible to it).
 
 from __future__ import annotations
 
+import operator
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -39,9 +40,18 @@ class Backend(Protocol):
         ...
 
 
-def check_token_pos(config: ModelConfig, token: int, pos: int) -> None:
-    """Raise ValueError when `token` or `pos` is outside the model's vocabulary / context."""
+def check_token_pos(config: ModelConfig, token: int, pos: int) -> tuple[int, int]:
+    """`(token, pos)` as Python ints.
+
+    Raises:
+      TypeError: a token or position that is not an integer (a float, a bool).
+      ValueError: a token or position outside the model's vocabulary / context.
+    """
+    if isinstance(token, bool) or isinstance(pos, bool):
+        raise TypeError(f"token and position must be integers, got {token!r}, {pos!r}")
+    token, pos = operator.index(token), operator.index(pos)
     if not 0 <= token < config.vocab_size:
         raise ValueError(f"token {token} is out of range for vocab_size={config.vocab_size}")
     if not 0 <= pos < config.seq_len:
         raise ValueError(f"position {pos} is out of range for seq_len={config.seq_len}")
+    return token, pos

@@ -16,6 +16,7 @@ import numpy as np
 from jllama import graphs
 from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
+from jllama.errors import BackendError
 from jllama.rope import rope_frequencies
 from jllama.weights import TransformerWeights, check_shapes, to_graph_weights
 
@@ -26,6 +27,10 @@ class JaxGraphBackend:
     Args:
       device: the `jax.Device` to run on (default: JAX's default device).
 
+    Raises:
+      BackendError: JAX cannot start its default device (e.g. JAX_PLATFORMS names a missing
+        platform).
+
     Attributes:
       name: "jax".
       compile_seconds: wall time of the warm-up step in `prepare` (tracing + compiling the four
@@ -35,7 +40,12 @@ class JaxGraphBackend:
     name = "jax"
 
     def __init__(self, device: jax.Device | None = None):
-        self.device = device or jax.devices()[0]
+        if device is None:
+            try:
+                device = jax.devices()[0]
+            except Exception as e:  # JAX reports a missing platform in several ways
+                raise BackendError(f"JAX could not start a device: {type(e).__name__}: {e}") from e
+        self.device = device
         self.config: ModelConfig | None = None
         self.compile_seconds = 0.0
 
@@ -65,7 +75,7 @@ class JaxGraphBackend:
         config = self.config
         if config is None:
             raise RuntimeError("JaxGraphBackend.forward called before prepare")
-        check_token_pos(config, token, pos)
+        token, pos = check_token_pos(config, token, pos)
         x = jax.device_put(self.token_embedding_table[token], self.device)
         pos_arr = jax.device_put(np.int32(pos), self.device)
         for l, layer in enumerate(self.layers):

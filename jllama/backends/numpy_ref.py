@@ -196,5 +196,5 @@ class NumpyBackend:
         """Logits f32[vocab_size] for `token` at `pos` (see `jllama.backends.base.Backend`)."""
         if self.config is None:
             raise RuntimeError("NumpyBackend.forward called before prepare")
-        check_token_pos(self.config, token, pos)
+        token, pos = check_token_pos(self.config, token, pos)
         return forward(self.config, self.weights, self.cache, self.inv_freq, token, pos)

@@ -24,9 +24,16 @@ import numpy as np
 
 from jllama.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
+from jllama.files import require_regular_file
 from jllama.weights import TransformerWeights, check_shapes, expected_shapes
 
 HEADER = struct.Struct("<7i")
+# Files that are not version 0 but are often mistaken for it: named rather than misread.
+FOREIGN_MAGIC = {
+    struct.pack("<I", 0x616B3432): "a llama2.c versioned file (magic 0x616b3432, export.py "
+    "--version 1 or 2), not the legacy version 0",
+    b"GGUF": "a GGUF file, not a llama2.c checkpoint",
+}
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
 _FLOAT = np.dtype("<f4")
 
@@ -65,18 +72,19 @@ def read_header(path: str | os.PathLike) -> ModelConfig:
         non-positive, absurd or inconsistent. The message names the file and the numbers.
     """
     path = Path(path)
+    what = f"checkpoint {path}"
+    require_regular_file(path, what, CheckpointError)
     try:
         with open(path, "rb") as f:
             raw = f.read(HEADER.size)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: no such file") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"checkpoint {path}: is a directory, not a file") from None
     except OSError as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read: {e.strerror}") from None
+        raise CheckpointError(f"{what}: cannot read: {e.strerror}") from None
+    for magic, kind in FOREIGN_MAGIC.items():
+        if raw.startswith(magic):
+            raise CheckpointError(f"{what}: {kind}; this reader takes llama2.c version-0 files")
     if len(raw) < HEADER.size:
         raise CheckpointError(
-            f"checkpoint {path}: {len(raw)} bytes, shorter than the {HEADER.size}-byte header"
+            f"{what}: {len(raw)} bytes, shorter than the {HEADER.size}-byte header"
         )
     values = dict(zip(HEADER_FIELDS, HEADER.unpack(raw)))
     shared = values["vocab_size"] > 0

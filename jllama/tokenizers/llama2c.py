@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jllama.errors import TokenizerError
+from jllama.files import require_regular_file
 
 BOS_ID = 1
 """Beginning-of-sequence token id (llama2.c's hard-coded 1)."""
@@ -140,8 +141,14 @@ class Tokenizer:
           TokenizerError: a byte needs the byte-fallback token but the vocabulary is too small
             to have one (fewer than 259 tokens).
           UnicodeEncodeError: a str holding surrogates other than surrogateescape's.
+          TypeError: text neither str nor bytes.
         """
-        data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
+        if isinstance(text, str):
+            data = text.encode("utf-8", "surrogateescape")
+        elif isinstance(text, (bytes, bytearray, memoryview)):
+            data = bytes(text)
+        else:
+            raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
         tokens = [BOS_ID] if bos else []
         if data:
             space = self._ids.get(b" ")
@@ -395,12 +402,9 @@ def read_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> To
     what = f"tokenizer {path}"
     if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
         raise TokenizerError(f"{what}: vocab_size must be a positive integer, got {vocab_size!r}")
+    require_regular_file(path, what, TokenizerError)
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise TokenizerError(f"{what}: no such file") from None
-    except IsADirectoryError:
-        raise TokenizerError(f"{what}: is a directory, not a file") from None
     except OSError as e:
         raise TokenizerError(f"{what}: cannot read: {e.strerror or e}") from None
 
