@@ -177,3 +177,48 @@ def test_weights_are_memory_mapped_not_copied(stories260k):
     _, weights = stories260k
     assert not weights.wq.flags.writeable  # a read-only view of the mapped file
     assert not weights.wq.flags.owndata
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [({"head_dim": 16}, "head_dim=16"), ({"norm_eps": 1e-6}, "norm_eps"),
+     ({"rope_theta": 500000.0}, "rope_theta")],
+)
+def test_write_refuses_what_version_0_cannot_record(tmp_path, change, needle):
+    config = ModelConfig(**{**GQA_UNSHARED.__dict__, **change})
+    with pytest.raises(ConfigError, match=needle):
+        write_checkpoint(tmp_path / "x.bin", config, random_weights(config))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_refuses_a_separate_classifier_under_shared_weights(tmp_path):
+    import dataclasses
+
+    config = ModelConfig(**{**GQA_UNSHARED.__dict__, "shared_weights": True})
+    weights = random_weights(config)
+    other = dataclasses.replace(weights, wcls=2 * weights.token_embedding_table)
+    with pytest.raises(ConfigError, match="shared_weights=True but wcls differs"):
+        write_checkpoint(tmp_path / "x.bin", config, other)
+    # an equal copy is fine: it is the same classifier
+    same = dataclasses.replace(weights, wcls=weights.token_embedding_table.copy())
+    write_checkpoint(tmp_path / "y.bin", config, same)
+
+
+def test_write_goes_through_links_and_refuses_special_files(tmp_path):
+    import os
+
+    config = GQA_UNSHARED
+    weights = random_weights(config)
+    real = tmp_path / "real.bin"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.bin"
+    link.symlink_to(real)
+    write_checkpoint(link, config, weights)
+    assert link.is_symlink() and real.stat().st_size == checkpoint_nbytes(config)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        write_checkpoint(fifo, config, weights)
+    assert fifo.exists() and not fifo.is_file()
+    with pytest.raises(CheckpointError, match="empty"):
+        write_checkpoint("", config, weights)

@@ -7,6 +7,7 @@ and compiled once (in `prepare`, by a warm-up step) and replayed for every layer
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -44,7 +45,10 @@ class JaxGraphBackend:
             try:
                 device = jax.devices()[0]
             except Exception as e:  # JAX reports a missing platform in several ways
-                raise BackendError(f"JAX could not start a device: {type(e).__name__}: {e}") from e
+                why = str(e) or type(e).__name__
+                platforms = os.environ.get("JAX_PLATFORMS")
+                hint = f" (JAX_PLATFORMS={platforms}: is that platform installed?)" if platforms else ""
+                raise BackendError(f"JAX could not start a device: {why}{hint}") from e
         self.device = device
         self.config: ModelConfig | None = None
         self.compile_seconds = 0.0

@@ -145,6 +145,25 @@ def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def _check_representable(config: ModelConfig, weights: TransformerWeights) -> None:
+    fixed = ModelConfig(
+        config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
+        config.vocab_size, config.seq_len, config.shared_weights,
+    )
+    for name in ("head_dim", "norm_eps", "rope_theta"):
+        if getattr(config, name) != getattr(fixed, name):
+            raise ConfigError(
+                f"{name}={getattr(config, name)} cannot be stored in a llama2.c version-0 "
+                f"file, whose readers assume {name}={getattr(fixed, name)}"
+            )
+    if config.shared_weights and weights.wcls is not weights.token_embedding_table:
+        if not np.array_equal(weights.wcls, weights.token_embedding_table):
+            raise ConfigError(
+                "shared_weights=True but wcls differs from token_embedding_table; a version-0 "
+                "file would drop it (use shared_weights=False)"
+            )
+
+
 def write_checkpoint(
     path: str | os.PathLike, config: ModelConfig, weights: TransformerWeights
 ) -> None:
@@ -154,12 +173,24 @@ def write_checkpoint(
     `config.shared_weights` is False. The file appears atomically: it is written to a
     temporary file beside `path` and renamed, so a failure never leaves a half-written file.
 
+    A symbolic link is written through (its target is replaced); an existing path that is not
+    a regular file (a device, a pipe, a directory) is refused.
+
     Raises:
-      ConfigError: a weight whose shape does not fit `config`.
-      CheckpointError: the file cannot be written.
+      ConfigError: a weight whose shape does not fit `config`; a config the format cannot
+        record (head_dim other than dim // n_heads, norm_eps other than 1e-5, rope_theta other
+        than 10000: a reader would silently use those); `shared_weights` with a `wcls` that
+        differs from the embedding table (it would be dropped).
+      CheckpointError: an empty path, a path that is not a regular file, or the file cannot be
+        written.
     """
     check_shapes(config, weights)
-    path = Path(path)
+    _check_representable(config, weights)
+    if not str(path):
+        raise CheckpointError("checkpoint path is empty")
+    path = Path(os.path.realpath(path))  # write through links: replace the target, not them
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: exists and is not a regular file")
     vocab = config.vocab_size if config.shared_weights else -config.vocab_size
     header = HEADER.pack(
         config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
