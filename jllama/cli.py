@@ -21,7 +21,7 @@ from jllama.files import require_regular_file
 from jllama.formats.llama2c import read_checkpoint
 from jllama.generate import Generation, GenerationStats, resolve_steps
 from jllama.loading import embedded_checkpoint, load_tokenizer
-from jllama.sampling import Sampler, seed_from_clock
+from jllama.sampling import Sampler
 from jllama.weights import tensor_stats
 
 FLAGS = flags.FLAGS
