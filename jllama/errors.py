@@ -36,3 +36,7 @@ class ResourceError(JllamaError):
 
 class BackendError(JllamaError):
     """A backend that cannot start (e.g. JAX finds no usable device)."""
+
+
+class ChatError(JllamaError, ValueError):
+    """A chat template that does not compile or fails as it renders, or a malformed message."""
