@@ -2,7 +2,9 @@
 
 Per token: the embedding row goes to the device, then for each layer the `qkv`, `attention` and
 `block` programs run with that layer's arrays, then `classifier`. The four programs are traced
-and compiled once (in `prepare`, by a warm-up step) and replayed for every layer and token.
+and compiled once (in `prepare`, by a warm-up step) and replayed for every layer and token;
+`attention` is compiled once more for each longer window the context grows into
+(`graphs.attention_window`: 256, 512, 1024, ... positions).
 """
 
 from __future__ import annotations
@@ -82,10 +84,14 @@ class JaxGraphBackend:
         token, pos = check_token_pos(config, token, pos)
         x = jax.device_put(self.token_embedding_table[token], self.device)
         pos_arr = jax.device_put(np.int32(pos), self.device)
+        window = graphs.attention_window(config.seq_len, pos)
         for l, layer in enumerate(self.layers):
-            q, k, v = graphs.qkv(config, x, layer.rms_att_weight, layer.wqkv)
-            att, self.key_cache[l], self.value_cache[l] = graphs.attention(
-                config, q, k, v, self.key_cache[l], self.value_cache[l], pos_arr, self.inv_freq
+            q, self.key_cache[l], self.value_cache[l] = graphs.qkv(
+                config, x, layer.rms_att_weight, layer.wqkv, self.key_cache[l],
+                self.value_cache[l], pos_arr, self.inv_freq,
+            )
+            att = graphs.attention(
+                config, q, self.key_cache[l], self.value_cache[l], pos_arr, window=window
             )
             x = graphs.block(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3

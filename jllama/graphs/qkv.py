@@ -1,32 +1,62 @@
-"""Compiled program 1 of the decode step: attention RMSNorm and the stacked QKV projection."""
+"""Compiled program 1 of the decode step: attention RMSNorm, the stacked QKV projection, RoPE,
+and the write of this position's key and value into the layer's caches."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jllama.config import ModelConfig
-from jllama.graphs.ops import matmul, rmsnorm
+from jllama.graphs.ops import matmul, rmsnorm, rope
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_cache", "value_cache"))
 def qkv(
-    config: ModelConfig, x: jax.Array, rms_att_weight: jax.Array, wqkv: jax.Array
+    config: ModelConfig,
+    x: jax.Array,
+    rms_att_weight: jax.Array,
+    wqkv: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    pos: jax.Array,
+    inv_freq: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Normalize the residual stream and project it to queries, keys and values in one product.
+    """Normalize the residual stream, project it to queries, keys and values in one product,
+    rotate q and k (RoPE, as llama2.c run.c), and store k and v at `pos` in the caches.
+
+    The cache write lives here, in a program that writes the caches and reads nothing else of
+    them, because XLA CPU updates a donated buffer in place only then: a program that both
+    writes a cache and reads it (as attention must) copies the whole cache every step
+    (measured in JAX 0.10: 0.78 ms a layer at seq_len 8192, against 0.03 ms).
 
     Args:
       config: static; the program is traced once per config and replayed for every layer.
       x: f32[dim], the residual stream.
       rms_att_weight: f32[dim], this layer's attention RMSNorm gains.
       wqkv: f32[q_dim + 2 * kv_dim, dim], this layer's wq, wk, wv rows stacked (out x in).
+      key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim], this layer's caches;
+        donated: updated in place, so the arguments must not be used afterwards.
+      pos: int32 scalar, the token's position, 0 <= pos < seq_len.
+      inv_freq: f32[head_dim // 2], from `jllama.rope.rope_frequencies`.
 
     Returns:
-      (q: f32[q_dim], k: f32[kv_dim], v: f32[kv_dim]), before RoPE.
+      (q: f32[n_heads, head_dim] after RoPE, key_cache, value_cache updated at `pos`).
     """
+    c = config
     with jax.named_scope("qkv"):
-        qkv_out = matmul(wqkv, rmsnorm(x, rms_att_weight, config.norm_eps))
-        q_end = config.q_dim
-        k_end = q_end + config.kv_dim
-        return qkv_out[:q_end], qkv_out[q_end:k_end], qkv_out[k_end:]
+        qkv_out = matmul(wqkv, rmsnorm(x, rms_att_weight, c.norm_eps))
+        q_end = c.q_dim
+        k_end = q_end + c.kv_dim
+        q, k, v = qkv_out[:q_end], qkv_out[q_end:k_end], qkv_out[k_end:]
+    with jax.named_scope("rope"):
+        q = rope(q.reshape(c.n_heads, c.head_dim), pos, inv_freq)
+        k = rope(k.reshape(c.n_kv_heads, c.head_dim), pos, inv_freq)
+    with jax.named_scope("cache_write"):
+        zero = jnp.zeros((), jnp.int32)
+        key_cache = jax.lax.dynamic_update_slice(key_cache, k[:, None, :], (zero, pos, zero))
+        value_cache = jax.lax.dynamic_update_slice(
+            value_cache, v.reshape(c.n_kv_heads, 1, c.head_dim), (zero, pos, zero)
+        )
+    return q, key_cache, value_cache
