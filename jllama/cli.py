@@ -16,11 +16,13 @@ from absl import app, flags, logging
 
 from jllama import runtime
 from jllama.backends import backend_names, make_backend
+from jllama.chat import ChatTemplate
+from jllama.conversation import ContextFullError, Conversation
 from jllama.errors import JllamaError
+from jllama.fetch import KNOWN_MODELS, fetch
 from jllama.files import require_regular_file
-from jllama.formats.llama2c import read_checkpoint
 from jllama.generate import Generation, GenerationStats, resolve_steps
-from jllama.loading import embedded_checkpoint, load_tokenizer
+from jllama.loading import open_model
 from jllama.sampling import Sampler
 from jllama.weights import tensor_stats
 
@@ -28,12 +30,15 @@ FLAGS = flags.FLAGS
 _F32_MAX = 3.4028234663852886e38
 
 flags.DEFINE_string(
-    "checkpoint", None, "llama2.c checkpoint (.bin, version 0). Default: the embedded stories260K."
+    "checkpoint",
+    None,
+    "Model file: a llama2.c checkpoint (.bin, version 0) or a GGUF file (.gguf), or the name "
+    "of a fetched model (smollm2). Default: the embedded stories260K.",
 )
 flags.DEFINE_string(
     "tokenizer",
     None,
-    "llama2.c tokenizer file. Default: tok<vocab_size>.bin or tokenizer.bin beside the "
+    "llama2.c tokenizer file (llama2.c checkpoints; a GGUF file carries its own). Default: tok<vocab_size>.bin or tokenizer.bin beside the "
     "checkpoint, else (for vocab_size 512) the embedded tok512.bin.",
 )
 flags.DEFINE_float(
@@ -47,9 +52,38 @@ flags.DEFINE_float(
     upper_bound=1.0,
 )
 flags.DEFINE_integer(
-    "steps", 256, "Positions to run, prompt included (tokens); < 1 or > seq_len means seq_len."
+    "steps",
+    256,
+    "generate: positions to run, prompt included (tokens); < 1 or > seq_len means seq_len. "
+    "chat: the most tokens of one reply; < 1 = until the context is full.",
 )
-flags.DEFINE_string("prompt", "", "Text the story starts from.")
+flags.DEFINE_string(
+    "prompt", "", "generate: the text to continue. chat: the first user message (then stdin)."
+)
+flags.DEFINE_enum(
+    "mode",
+    "generate",
+    ["generate", "chat"],
+    "generate: raw completion of --prompt. chat: a conversation read from stdin, one message "
+    "per line, rendered with the model's chat template; replies stop at the end-of-turn token.",
+)
+flags.DEFINE_string(
+    "system_prompt", "", "chat: the system message (empty: the chat template's default)."
+)
+flags.DEFINE_integer(
+    "seq_len",
+    0,
+    "Context to allocate the KV cache for (tokens), at most the model's; 0 = the model's.",
+    lower_bound=0,
+)
+flags.DEFINE_bool(
+    "parse_special",
+    False,
+    "Let special-token text in --prompt (e.g. <|im_start|>) become the special token, as "
+    "llama.cpp's llama-tokenize does; by default it stays plain text.",
+)
+flags.DEFINE_bool("pieces", False, "tokenize: print each id with its text, one per line.")
+flags.DEFINE_bool("force", False, "fetch: download again even if the cached file verifies.")
 flags.DEFINE_integer(
     "seed",
     None,
@@ -119,29 +153,43 @@ def main(argv: list[str]) -> int:
     if not FLAGS["verbosity"].present:
         # absl logs at INFO by default, which prints JAX's platform probing on every run.
         logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1:
-        raise JllamaError(f"unexpected argument {argv[1]!r} (flags take the form --name=value)")
+    command, args = (argv[1], argv[2:]) if len(argv) > 1 else (None, [])
+    if command == "fetch":
+        return _fetch(args)
+    if command == "tokenize":
+        _no_arguments("tokenize", args)
+        return _tokenize()
+    if command is not None:
+        raise JllamaError(
+            f"unexpected argument {command!r} (commands: fetch, tokenize; flags take the form "
+            "--name=value)"
+        )
     if FLAGS.threads:
         runtime.limit_cpu_threads(FLAGS.threads)
-    checkpoint = Path(FLAGS.checkpoint) if FLAGS.checkpoint else embedded_checkpoint()
-    config, weights = read_checkpoint(checkpoint)
+    model = open_model(
+        FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None,
+        need_tokenizer=not FLAGS.verify_checkpoint,
+    )
+    config, tokenizer = model.config, model.tokenizer
     if FLAGS.verify_checkpoint:
-        return _verify(weights)
-    tokenizer = load_tokenizer(checkpoint, config.vocab_size, FLAGS.tokenizer)
-
-    prompt_ids = tokenizer.encode(FLAGS.prompt, bos=True, eos=False)
-    if len(prompt_ids) > config.seq_len:
+        return _verify(model.weights)
+    if FLAGS.mode == "chat" and not model.chat_template:
         raise JllamaError(
-            f"--prompt is {len(prompt_ids)} tokens, longer than the model's context "
-            f"(seq_len={config.seq_len})"
+            f"--mode=chat needs a model with a chat template; {model.source} has none "
+            "(try --checkpoint=smollm2 after `jllama fetch smollm2`)"
         )
-    steps = resolve_steps(FLAGS.steps, config.seq_len)
-    if len(prompt_ids) > steps:
-        print(
-            f"jllama: warning: the prompt ({len(prompt_ids)} tokens) is longer than "
-            f"--steps={steps}; nothing will be generated",
-            file=sys.stderr,
-        )
+    prompt_ids = []
+    if FLAGS.mode == "generate":
+        prompt_ids = tokenizer.encode(FLAGS.prompt, parse_special=FLAGS.parse_special)
+        if not prompt_ids:
+            raise JllamaError(
+                f"--prompt is empty and {model.source} adds no BOS token: give a --prompt"
+            )
+        if len(prompt_ids) > config.seq_len:
+            raise JllamaError(
+                f"--prompt is {len(prompt_ids)} tokens, longer than the context "
+                f"(seq_len={config.seq_len})"
+            )
     sampler = Sampler(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or None)
     seed = sampler.config.seed
     if FLAGS.temperature > 0 and not FLAGS.seed:
@@ -150,8 +198,20 @@ def main(argv: list[str]) -> int:
     backend = make_backend(FLAGS.backend)
     if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
         runtime.check_kv_cache_fits(config)
-    backend.prepare(config, weights)
-    generation = Generation(backend.forward, prompt_ids, sampler, steps)
+    backend.prepare(config, model.weights)
+    if FLAGS.mode == "chat":
+        return _chat(model, backend, sampler)
+
+    steps = resolve_steps(FLAGS.steps, config.seq_len)
+    if len(prompt_ids) > steps:
+        print(
+            f"jllama: warning: the prompt ({len(prompt_ids)} tokens) is longer than "
+            f"--steps={steps}; nothing will be generated",
+            file=sys.stderr,
+        )
+    generation = Generation(
+        backend.forward, prompt_ids, sampler, steps, stop_ids=tuple(tokenizer.stop_ids)
+    )
 
     if FLAGS.output_format == "json":
         for _ in generation:
@@ -162,7 +222,7 @@ def main(argv: list[str]) -> int:
             "prompt": FLAGS.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
             "prompt_ids": generation.prompt_ids,
             "generated_ids": generation.generated_ids,
-            "text": tokenizer.decode(generation.generated_ids, prev=prompt_ids[-1]),
+            "text": _continuation(tokenizer, prompt_ids[-1], generation.generated_ids),
             "backend": backend.name,
             "seed": seed,
             "temperature": FLAGS.temperature,
@@ -179,12 +239,120 @@ def main(argv: list[str]) -> int:
 
     decoder = tokenizer.stream_decoder()
     out = sys.stdout
+    if model.file_format == "gguf":
+        # A GGUF model's prompt is echoed as typed (llama.cpp does the same); llama2.c's run
+        # prints the prompt's decoded pieces, which the decoder below reproduces.
+        out.write(FLAGS.prompt)
     for token in generation:
+        if model.file_format == "gguf" and not token.sampled:
+            continue
         out.write(decoder.push(token.prev, token.id))
         out.flush()
     out.write(decoder.flush() + "\n")
     out.flush()
     print(_rates(generation.stats), file=sys.stderr)
+    return 0
+
+
+def _continuation(tokenizer, prev: int, ids: list[int]) -> str:
+    try:
+        return tokenizer.decode(ids, prev=prev)
+    except TypeError:  # tokenizers whose decode needs no previous token
+        return tokenizer.decode(ids)
+
+
+def _no_arguments(command: str, args: list[str]) -> None:
+    if args:
+        raise JllamaError(f"{command}: unexpected argument {args[0]!r} (flags take the form --name=value)")
+
+
+def _fetch(args: list[str]) -> int:
+    if len(args) != 1:
+        known = "; ".join(f"{m.name}: {m.description}" for m in KNOWN_MODELS.values())
+        raise JllamaError(f"usage: jllama fetch NAME, one model at a time (known models: {known})")
+    path = fetch(args[0], progress=True, force=FLAGS.force)
+    print(path, flush=True)
+    return 0
+
+
+def _tokenize() -> int:
+    model = open_model(FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None)
+    tokenizer = model.tokenizer
+    ids = tokenizer.encode(FLAGS.prompt, parse_special=FLAGS.parse_special)
+    if not FLAGS.pieces:
+        print(ids, flush=True)
+        return 0
+    for token in ids:
+        print(f"{token:>6} -> {tokenizer.piece(token)!r}")
+    sys.stdout.flush()
+    return 0
+
+
+def _read_message(interactive: bool) -> str | None:
+    """One user message from stdin: a line, or several joined by a trailing backslash
+    (llama.cpp's convention). None at end of input."""
+    lines = []
+    while True:
+        if interactive:
+            print("> " if not lines else "  ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return "\n".join(lines) if lines else None
+        line = line.rstrip("\n")
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+def _chat(model, backend, sampler) -> int:
+    tokenizer = model.tokenizer
+    template = ChatTemplate(
+        model.chat_template,
+        bos_token=tokenizer.decode([tokenizer.bos_id], special=True),
+        eos_token=tokenizer.decode([tokenizer.eos_id], special=True),
+    )
+    conversation = Conversation(
+        backend.forward, tokenizer, template, model.config.seq_len,
+        system_prompt=FLAGS.system_prompt or None,
+    )
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(
+            "jllama: chat mode: type a message and press Enter (end a line with \\ to go on "
+            "to the next; Ctrl-D ends)",
+            file=sys.stderr,
+        )
+    pending = FLAGS.prompt or None
+    out = sys.stdout
+    while True:
+        text = pending if pending is not None else _read_message(interactive)
+        pending = None
+        if text is None:
+            break
+        if not text.strip():
+            continue
+        decoder = tokenizer.stream_decoder()
+        try:
+            for token in conversation.say(text, sampler, max_tokens=FLAGS.steps):
+                out.write(decoder.push(token.prev, token.id))
+                out.flush()
+        except ContextFullError as e:
+            print(f"jllama: context full: {e}; ending the chat", file=sys.stderr)
+            return 0
+        out.write(decoder.flush() + "\n")
+        out.flush()
+        turn = conversation.last
+        if interactive or FLAGS.verbosity > 0:
+            print(_rates(turn.generation.stats), file=sys.stderr)
+        if turn.stop_reason == "context":
+            print(
+                f"jllama: context full: the reply reached seq_len={model.config.seq_len} "
+                "tokens; ending the chat (a larger --seq_len holds more)",
+                file=sys.stderr,
+            )
+            return 0
     return 0
 
 
@@ -197,13 +365,17 @@ def _fail(message: str, status: int = 1):
 
 _HELP = {"-h", "--help", "-help", "--helpshort", "-?"}
 _USAGE = """usage: jllama [--flag=value ...]
+       jllama fetch NAME                      download a known model (smollm2) into the cache
+       jllama tokenize --prompt=TEXT [--pieces] [--checkpoint=...]
 
-Generates text with a Llama model from a llama2.c checkpoint, as llama2.c's run does.
-With no flags it tells a story from the embedded stories260K model.
+Generates text with a Llama model from a llama2.c checkpoint or a GGUF file.
+With no flags it tells a story from the embedded stories260K model, as llama2.c's run does.
 
   jllama --temperature=0 --steps=200         greedy: the same story every time
   jllama --prompt="Lily and Tom" --seed=42   a sampled story you can repeat
-  jllama --flagfile=configs/greedy.flags     a preset"""
+  jllama --flagfile=configs/greedy.flags     a preset
+  jllama fetch smollm2 && jllama --checkpoint=smollm2 --mode=chat
+                                             chat with SmolLM2-135M-Instruct"""
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -37,7 +37,7 @@ class Token:
       id: the token id.
       prev: the token before it (the decoder needs it: a piece after BOS loses its leading
         space).
-      pos: its position in the sequence (the first prompt token is at 0).
+      pos: its position in the sequence (the first prompt token is at `start_pos`, default 0).
       sampled: False for a prompt token (forced), True for a generated one.
     """
 
@@ -91,6 +91,8 @@ class Generation:
       steps: number of positions to run (the prompt's included), >= 1 and at most the model's
         seq_len (`resolve_steps` maps run.c's conventions to that).
       stop_ids: tokens that end the generation when sampled (not yielded).
+      start_pos: the position of prompt_ids[0] (tokens): a conversation continues after the
+        `start_pos` positions already in the model's KV cache, and `steps` counts from there.
       clock: seconds as a float (injectable for tests).
 
     Raises:
@@ -107,13 +109,22 @@ class Generation:
         steps: int,
         stop_ids: Sequence[int] = (BOS_ID, EOS_ID),
         clock: Callable[[], float] = time.perf_counter,
+        start_pos: int = 0,
     ):
         self.prompt_ids = [operator.index(t) for t in prompt_ids]
         if not self.prompt_ids:
             raise ValueError("the prompt must hold at least one token (e.g. BOS)")
         if steps < 1:
             raise ValueError(f"steps={steps} must be at least 1")
+        self.start_pos = operator.index(start_pos)
+        if self.start_pos < 0:
+            raise ValueError(f"start_pos={start_pos} must not be negative")
         self.generated_ids: list[int] = []
+        self.end_pos = self.start_pos
+        self.stop_token: int | None = None
+        """The stop token that ended the generation, or None (steps ran out, or not done)."""
+        """Positions whose keys and values are in the KV cache once iteration stops: the
+        tokens (prompt_ids + generated_ids)[: end_pos - start_pos] went through the model."""
         self.stats = GenerationStats(prompt_tokens=min(len(self.prompt_ids), steps))
         self._tokens = self._run(forward, sample, steps, frozenset(stop_ids), clock)
 
@@ -129,10 +140,12 @@ class Generation:
         start = clock()
         first_sampled_at = None
         token = prompt[0]
-        for pos in range(steps):
+        for i in range(steps):
+            pos = self.start_pos + i
             logits = forward(token, pos)
-            if pos + 1 < len(prompt):
-                next_token, sampled = prompt[pos + 1], False
+            self.end_pos = pos + 1
+            if i + 1 < len(prompt):
+                next_token, sampled = prompt[i + 1], False
             else:
                 if not np.isfinite(logits).all():
                     raise NumericsError(
@@ -148,6 +161,7 @@ class Generation:
                     stats.decode_seconds = now - first_sampled_at
                     stats.decode_steps += 1
                 if next_token in stop_ids:
+                    self.stop_token = next_token
                     return
                 stats.generated_tokens += 1
                 self.generated_ids.append(next_token)

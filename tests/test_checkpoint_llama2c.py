@@ -7,8 +7,8 @@ import struct
 
 import numpy as np
 import pytest
-
 from conftest import STORIES260K
+
 from jllama.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
 from jllama.formats.llama2c import (

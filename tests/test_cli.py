@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import STORIES260K, TOK512, TOKENIZER_32K, load_json
+
 from jllama.config import ModelConfig
 from jllama.formats.llama2c import write_checkpoint
 from jllama.weights import random_weights

@@ -19,4 +19,4 @@ from jllama.graphs.qkv import qkv
 
 PROGRAMS = ("qkv", "attention", "block", "classifier")
 
-__all__ = ["attention", "attention_window", "block", "classifier", "qkv", "PROGRAMS"]
+__all__ = ["PROGRAMS", "attention", "attention_window", "block", "classifier", "qkv"]

@@ -302,9 +302,10 @@ class ByteLevelBPE:
         Returns:
           list of int token ids in [0, vocab_size).
 
+        A byte the vocabulary has no token for is left out, as llama.cpp and Hugging Face's
+        `tokenizers` do.
+
         Raises:
-          TokenizerError: a byte with no token in the vocabulary (byte-level vocabularies have
-            all 256).
           TypeError: text neither str nor bytes.
         """
         if isinstance(text, (bytes, bytearray, memoryview)):
@@ -378,12 +379,10 @@ class ByteLevelBPE:
                 continue
             for char in symbol:  # fall back to the symbol's one-byte tokens
                 token = ids.get(char)
-                if token is None:
-                    raise TokenizerError(
-                        f"tokenizer {self.source}: no token for byte "
-                        f"0x{UNICODE_TO_BYTE.get(char, ord(char)):02X} (in {word!r})"
-                    )
-                out.append(token)
+                # A byte the vocabulary has no token for is dropped, as llama.cpp and Hugging
+                # Face's tokenizers do (SmolLM2 has none for 21 bytes, e.g. 0x16 and 0xFF).
+                if token is not None:
+                    out.append(token)
         return tuple(out)
 
     def _merge(self, symbols: list[str | None]) -> None:

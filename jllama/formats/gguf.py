@@ -1,0 +1,350 @@
+"""GGUF files (llama.cpp's model format, version 2 and 3) of the `llama` architecture.
+
+The container is parsed by the `gguf` package (llama.cpp's own Python reader, memory-mapped);
+this module maps its metadata to a `ModelConfig` and its tensors to `TransformerWeights`,
+dequantizing each tensor to float32 with `jllama.formats.ggml_quants`.
+
+Metadata keys read (prefix `llama.`, as llama.cpp's `llm_load_hparams` for LLM_ARCH_LLAMA):
+  embedding_length -> dim, feed_forward_length -> hidden_dim, block_count -> n_layers,
+  attention.head_count -> n_heads, attention.head_count_kv -> n_kv_heads (default n_heads),
+  attention.key_length -> head_dim (default dim // n_heads; value_length must agree),
+  context_length -> seq_len (capped by the caller's `seq_len`),
+  attention.layer_norm_rms_epsilon -> norm_eps, rope.freq_base -> rope_theta (default 10000),
+  rope.dimension_count (must be head_dim: partial rotary embeddings are not supported),
+  vocab_size (default: the tokenizer's token count).
+A file with `rope.scaling.type` other than none, or a `rope_freqs.weight` tensor (Llama 3.1
+scaled RoPE), is refused until RoPE scaling lands.
+
+Tensor names (llama.cpp's `LLM_TENSOR_NAMES`) and where they go:
+  token_embd.weight -> token_embedding_table   output_norm.weight -> rms_final_weight
+  output.weight -> wcls (absent: tied to the embedding, shared_weights=True)
+  blk.N.attn_norm.weight -> rms_att_weight[N]  blk.N.ffn_norm.weight -> rms_ffn_weight[N]
+  blk.N.attn_q/attn_k/attn_v/attn_output.weight -> wq/wk/wv/wo[N]
+  blk.N.ffn_gate/ffn_down/ffn_up.weight -> w1/w2/w3[N]
+GGUF lists dimensions innermost first (`ne`), so a tensor with ne = [dim, q_dim] is the
+row-major matrix f32[q_dim, dim] (out x in), llama2.c's orientation.
+
+RoPE layout: llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) stores the
+rows of attn_q and attn_k in the original Meta order, where RoPE rotates adjacent pairs
+(x[2i], x[2i+1]) (llama.cpp's LLAMA_ROPE_TYPE_NORM). That is exactly the pairing of llama2.c's
+run.c that every jllama backend implements, so those rows are taken as stored: the one forward
+pass needs no permutation for GGUF (Hugging Face checkpoints, stored for the rotate-half
+layout, are the ones that need it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jllama.config import ModelConfig
+from jllama.errors import CheckpointError, ConfigError, TokenizerError
+from jllama.files import require_regular_file
+from jllama.formats import ggml_quants
+from jllama.weights import TransformerWeights, expected_shapes
+
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of every GGUF file."""
+
+_LAYER_TENSORS = {
+    "attn_norm": "rms_att_weight",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "ffn_norm": "rms_ffn_weight",
+    "ffn_gate": "w1",
+    "ffn_down": "w2",
+    "ffn_up": "w3",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "token_embedding_table",
+    "output_norm.weight": "rms_final_weight",
+    "output.weight": "wcls",
+}
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether the file at `path` starts with the GGUF magic (False if it cannot be read, or
+    is not a regular file: opening a FIFO would block)."""
+    try:
+        if not Path(path).is_file():
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFModel:
+    """What a GGUF file holds for jllama.
+
+    Attributes:
+      config: the model's hyperparameters (seq_len possibly capped by the reader's caller).
+      weights: `TransformerWeights`, f32, dequantized (wcls is token_embedding_table when tied).
+      tokenizer: the vocabulary (`jllama.tokenizers.gguf.tokenizer_from_gguf`).
+      chat_template: the jinja source of `tokenizer.chat_template`, or None.
+      tensor_types: {tensor name: GGML type name} as stored, e.g. {"blk.0.attn_q.weight": "Q4_1"}.
+      context_length: the context the model was trained for (`llama.context_length`), tokens.
+      metadata: every metadata key with its value (arrays as lists), for inspection.
+      source: the file's path.
+    """
+
+    config: ModelConfig
+    weights: TransformerWeights
+    tokenizer: Any
+    chat_template: str | None
+    tensor_types: dict[str, str]
+    context_length: int
+    metadata: dict[str, Any]
+    source: str
+
+
+def _open(path: Path):
+    from gguf import GGUFReader
+
+    require_regular_file(path, "checkpoint", CheckpointError)
+    if not is_gguf(path):
+        raise CheckpointError(f"{path}: not a GGUF file (no 'GGUF' magic)")
+    try:
+        return GGUFReader(path, "r")
+    except Exception as e:  # the gguf package raises ValueError, struct/IndexError, ... on bad data
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise CheckpointError(f"{path}: malformed or truncated GGUF file ({detail})") from None
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Every metadata field of an open `gguf.GGUFReader` as plain Python values."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception as e:
+            raise CheckpointError(f"metadata key {key!r} cannot be read ({e})") from None
+    return out
+
+
+def _get(meta: Mapping[str, Any], key: str, source: str, kind: type, default: Any = ...):
+    if key not in meta:
+        if default is ...:
+            raise CheckpointError(f"{source}: required metadata key {key!r} is missing")
+        return default
+    value = meta[key]
+    if kind is int:
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise CheckpointError(
+            f"{source}: metadata key {key!r} is {value!r}, not a{'n' if kind is int else ''} "
+            f"{kind.__name__}"
+        )
+    return kind(value)
+
+
+def config_from_metadata(
+    meta: Mapping[str, Any], source: str, seq_len: int | None = None, vocab_size: int | None = None
+) -> ModelConfig:
+    """`ModelConfig` of a llama-architecture GGUF's metadata (keys in the module docstring).
+
+    Args:
+      meta: metadata keys to values, as `read_metadata` gives.
+      source: the file, for error messages.
+      seq_len: cap on the context (tokens); None = the model's `context_length`.
+      vocab_size: the token count when the file has no `llama.vocab_size`.
+
+    Raises:
+      CheckpointError: not the llama architecture, a required key missing or of the wrong
+        type, or a feature jllama does not implement (partial rotary, RoPE scaling).
+      ConfigError: values that do not make a valid model.
+    """
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(
+            f"{source}: architecture {arch!r} is not supported (jllama runs 'llama' GGUF files)"
+        )
+    p = "llama."
+    dim = _get(meta, p + "embedding_length", source, int)
+    n_heads = _get(meta, p + "attention.head_count", source, int)
+    n_kv_heads = _get(meta, p + "attention.head_count_kv", source, int, n_heads)
+    head_dim = _get(meta, p + "attention.key_length", source, int, 0)
+    value_length = _get(meta, p + "attention.value_length", source, int, head_dim)
+    if value_length != head_dim:
+        raise CheckpointError(
+            f"{source}: attention.key_length={head_dim} differs from "
+            f"attention.value_length={value_length}; jllama needs them equal"
+        )
+    if not head_dim and n_heads > 0 and dim % n_heads == 0:
+        head_dim = dim // n_heads
+    rope_dims = _get(meta, p + "rope.dimension_count", source, int, head_dim)
+    if rope_dims != head_dim:
+        raise CheckpointError(
+            f"{source}: rope.dimension_count={rope_dims} differs from head_dim={head_dim} "
+            "(partial rotary embeddings are not supported)"
+        )
+    scaling = meta.get(p + "rope.scaling.type", "none")
+    if scaling not in ("none", ""):
+        raise CheckpointError(
+            f"{source}: rope.scaling.type={scaling!r} is not supported yet (RoPE scaling)"
+        )
+    context_length = _get(meta, p + "context_length", source, int)
+    if vocab_size is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab_size = len(tokens) if isinstance(tokens, list) else None
+    vocab_size = _get(meta, p + "vocab_size", source, int, vocab_size)
+    if vocab_size is None:
+        raise CheckpointError(
+            f"{source}: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocab size"
+        )
+    if seq_len is not None and seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len} must be at least 1")
+    try:
+        return ModelConfig(
+            dim=dim,
+            hidden_dim=_get(meta, p + "feed_forward_length", source, int),
+            n_layers=_get(meta, p + "block_count", source, int),
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            vocab_size=vocab_size,
+            seq_len=min(context_length, seq_len) if seq_len else context_length,
+            shared_weights=True,
+            norm_eps=_get(meta, p + "attention.layer_norm_rms_epsilon", source, float),
+            rope_theta=_get(meta, p + "rope.freq_base", source, float, 10000.0),
+            head_dim=head_dim,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _tensor_target(name: str, n_layers: int) -> tuple[str, int | None] | None:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name], None
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[1].isdigit():
+        layer = int(parts[1])
+        field = _LAYER_TENSORS.get(parts[2])
+        if field is not None and layer < n_layers:
+            return field, layer
+    return None
+
+
+def read_gguf(path: str | os.PathLike, seq_len: int | None = None) -> GGUFModel:
+    """Read a llama-architecture GGUF file: config, f32 weights, tokenizer, chat template.
+
+    Args:
+      path: the .gguf file.
+      seq_len: cap on the context the KV cache is sized for (tokens); None = the model's
+        `llama.context_length`.
+
+    Returns:
+      a `GGUFModel`. Quantized tensors (Q4_0, Q4_1, Q8_0) and F16/BF16 are dequantized to
+      float32 block by block, exactly as ggml's reference dequantizers.
+
+    Raises:
+      CheckpointError: missing/unreadable/truncated file, not GGUF, another architecture, a
+        missing metadata key or tensor, a tensor of the wrong shape, an unsupported tensor type
+        (the message names the tensor and the type), or an unexpected tensor.
+      TokenizerError: missing or malformed tokenizer metadata.
+      ConfigError: metadata that does not make a valid model.
+    """
+    from jllama.tokenizers.gguf import tokenizer_from_gguf
+
+    path = Path(path)
+    source = str(path)
+    reader = _open(path)
+    meta = read_metadata(reader)
+    config = config_from_metadata(meta, source, seq_len=seq_len)
+    tokenizer = tokenizer_from_gguf(meta, source)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise TokenizerError(
+            f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but llama.vocab_size is "
+            f"{config.vocab_size}"
+        )
+
+    tensors = {}
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            raise CheckpointError(
+                f"{source}: tensor rope_freqs.weight (Llama 3.1 RoPE scaling) is not supported yet"
+            )
+        target = _tensor_target(tensor.name, config.n_layers)
+        if target is None:
+            raise CheckpointError(
+                f"{source}: unexpected tensor {tensor.name!r} (not part of a llama model)"
+            )
+        if tensor.name in tensors:
+            raise CheckpointError(f"{source}: tensor {tensor.name!r} appears twice")
+        tensors[tensor.name] = (tensor, target)
+
+    shared = "output.weight" not in tensors
+    if not shared:
+        config = dataclasses.replace(config, shared_weights=False)
+    shapes = expected_shapes(config)
+    arrays: dict[str, np.ndarray] = {}
+    for field, shape in shapes.items():
+        if field == "wcls" and shared:
+            continue
+        arrays[field] = np.empty(shape, np.float32)
+    filled: set[tuple[str, int | None]] = set()
+    tensor_types = {}
+    for name, (tensor, (field, layer)) in tensors.items():
+        want = shapes[field] if layer is None else shapes[field][1:]
+        got = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        if got != want:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {list(got)}, expected {list(want)} "
+                "(row-major, out x in)"
+            )
+        type_id = int(tensor.tensor_type)
+        tensor_types[name] = ggml_quants.type_name(type_id)
+        try:
+            values = ggml_quants.dequantize(tensor.data, type_id, want)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: tensor {name!r}: {e}") from None
+        if layer is None:
+            arrays[field][...] = values
+        else:
+            arrays[field][layer] = values
+        filled.add((field, layer))
+
+    missing = []
+    for field in shapes:
+        if field == "wcls" and shared:
+            continue
+        layers = [None] if field in _GLOBAL_TENSORS.values() else range(config.n_layers)
+        for layer in layers:
+            if (field, layer) not in filled:
+                missing.append(_tensor_name(field, layer))
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(f"{source}: missing tensor {', '.join(missing[:3])}{more}")
+    if shared:
+        arrays["wcls"] = arrays["token_embedding_table"]
+    template = meta.get("tokenizer.chat_template")
+    return GGUFModel(
+        config=config,
+        weights=TransformerWeights(**arrays),
+        tokenizer=tokenizer,
+        chat_template=template if isinstance(template, str) else None,
+        tensor_types=tensor_types,
+        context_length=int(meta["llama.context_length"]),
+        metadata=meta,
+        source=source,
+    )
+
+
+def _tensor_name(field: str, layer: int | None) -> str:
+    if layer is None:
+        return next(k for k, v in _GLOBAL_TENSORS.items() if v == field)
+    short = next(k for k, v in _LAYER_TENSORS.items() if v == field)
+    return f"blk.{layer}.{short}.weight"
