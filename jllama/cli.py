@@ -173,6 +173,8 @@ def main(argv: list[str]) -> int:
     config, tokenizer = model.config, model.tokenizer
     if FLAGS.verify_checkpoint:
         return _verify(model.weights)
+    if FLAGS.mode == "chat" and FLAGS.output_format != "text":
+        raise JllamaError("--output_format=json is for --mode=generate; chat mode prints text")
     if FLAGS.mode == "chat" and not model.chat_template:
         raise JllamaError(
             f"--mode=chat needs a model with a chat template; {model.source} has none "
