@@ -34,6 +34,7 @@ its line number), one that fails as it renders (its line number, or the message 
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import datetime
 import json
@@ -177,12 +178,66 @@ class _GenerationBlock(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+MAX_TEMPLATE_STEPS = 1_000_000
+"""Loop iterations over `range` one rendering may take: a template from a model file must not
+hang the program (`{% for x in range(99999) %}{% for y in range(99999) %}`)."""
+
+MAX_TEMPLATE_VALUE = 1 << 22
+"""The longest string or list `*` may make in a template, and the largest `**` result bits."""
+
+_steps_left: contextvars.ContextVar[list[int]] = contextvars.ContextVar("_steps_left")
+
+
+class _BoundedRange:
+    """`range(...)` for templates: at most jinja's MAX_RANGE items, and every item drawn counts
+    against the rendering's MAX_TEMPLATE_STEPS."""
+
+    def __init__(self, *args: int):
+        self._range = jinja2.sandbox.safe_range(*args)
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __iter__(self):
+        budget = _steps_left.get(None)
+        for item in self._range:
+            if budget is not None:
+                budget[0] -= 1
+                if budget[0] < 0:
+                    raise ChatError(
+                        f"chat template: more than {MAX_TEMPLATE_STEPS} loop steps (refused)"
+                    )
+            yield item
+
+
+class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` refused where they would build huge values
+    (`{{ 'x' * 10**10 }}` would otherwise take all memory and time)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                    if len(seq) * max(n, 0) > MAX_TEMPLATE_VALUE:
+                        raise ChatError(
+                            f"chat template: a value of {len(seq) * n} items (refused; the "
+                            f"limit is {MAX_TEMPLATE_VALUE})"
+                        )
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if right > 0 and abs(left) > 1 and abs(left).bit_length() * right > MAX_TEMPLATE_VALUE:
+                raise ChatError(f"chat template: {left} ** {right} is too large (refused)")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
     )
+    env.globals["range"] = _BoundedRange
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
@@ -365,15 +420,20 @@ class ChatTemplate:
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }
+        token = _steps_left.set([MAX_TEMPLATE_STEPS])
         try:
             return self._compiled.render(variables)
         except ChatError:
             raise
+        except MemoryError:
+            raise ChatError("chat template: rendering ran out of memory") from None
         except _TEMPLATE_ERRORS as exc:
             line = _template_line(exc)
             where = f"line {line}: " if line is not None else ""
             detail = _one_line(str(exc)) or type(exc).__name__
             raise ChatError(f"chat template: {where}{detail}") from None
+        finally:
+            _steps_left.reset(token)
 
     def _content_spans(
         self,

@@ -182,6 +182,7 @@ def main(argv: list[str]) -> int:
         )
     prompt_ids = []
     if FLAGS.mode == "generate":
+        _warn_invalid_utf8(FLAGS.prompt, tokenizer)
         prompt_ids = tokenizer.encode(FLAGS.prompt, parse_special=FLAGS.parse_special)
         if not prompt_ids:
             raise JllamaError(
@@ -230,6 +231,7 @@ def main(argv: list[str]) -> int:
             "temperature": FLAGS.temperature,
             "top_p": FLAGS.top_p,
             "steps": steps,
+            "seq_len": config.seq_len,
             "prefill_tok_s": stats.prefill_tok_s,
             "decode_tok_s": stats.decode_tok_s,
             "prefill_seconds": stats.prefill_seconds,
@@ -241,19 +243,44 @@ def main(argv: list[str]) -> int:
 
     decoder = tokenizer.stream_decoder()
     out = sys.stdout
-    if model.file_format == "gguf":
-        # A GGUF model's prompt is echoed as typed (llama.cpp does the same); llama2.c's run
-        # prints the prompt's decoded pieces, which the decoder below reproduces.
-        out.write(FLAGS.prompt)
+    # A GGUF model's prompt is echoed as typed (llama.cpp does the same), its bytes exactly,
+    # once the model has produced something (a broken model prints only its error); llama2.c's
+    # run prints the prompt's decoded pieces, which the decoder reproduces.
+    echo = model.file_format == "gguf"
     for token in generation:
         if model.file_format == "gguf" and not token.sampled:
             continue
+        if echo:
+            _write_raw(out, FLAGS.prompt)
+            echo = False
         out.write(decoder.push(token.prev, token.id))
         out.flush()
+    if echo:
+        _write_raw(out, FLAGS.prompt)
     out.write(decoder.flush() + "\n")
     out.flush()
     print(_rates(generation.stats), file=sys.stderr)
     return 0
+
+
+def _write_raw(out, text: str) -> None:
+    """Write `text` with any undecodable argv bytes (surrogate escapes) as those bytes."""
+    out.flush()
+    out.buffer.write(text.encode("utf-8", "surrogateescape"))
+    out.buffer.flush()
+
+
+def _warn_invalid_utf8(text: str, tokenizer) -> None:
+    if not hasattr(tokenizer, "merges"):
+        return  # llama2.c's byte fallback keeps every byte
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        print(
+            "jllama: warning: --prompt is not valid UTF-8; bytes the vocabulary has no token "
+            "for are dropped, as llama.cpp does",
+            file=sys.stderr,
+        )
 
 
 def _continuation(tokenizer, prev: int, ids: list[int]) -> str:
@@ -280,6 +307,7 @@ def _fetch(args: list[str]) -> int:
 def _tokenize() -> int:
     model = open_model(FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None)
     tokenizer = model.tokenizer
+    _warn_invalid_utf8(FLAGS.prompt, tokenizer)
     ids = tokenizer.encode(FLAGS.prompt, parse_special=FLAGS.parse_special)
     if not FLAGS.pieces:
         print(ids, flush=True)
@@ -323,7 +351,7 @@ def _chat(model, backend, sampler) -> int:
     if interactive:
         print(
             "jllama: chat mode: type a message and press Enter (end a line with \\ to go on "
-            "to the next; Ctrl-D ends)",
+            "to the next; Ctrl-D ends the chat, Ctrl-C stops jllama at once)",
             file=sys.stderr,
         )
     pending = FLAGS.prompt or None
@@ -341,6 +369,8 @@ def _chat(model, backend, sampler) -> int:
                 out.write(decoder.push(token.prev, token.id))
                 out.flush()
         except ContextFullError as e:
+            if conversation.last is None:  # nothing could be answered: the settings are wrong
+                raise JllamaError(f"{e}: give a larger --seq_len") from None
             print(f"jllama: context full: {e}; ending the chat", file=sys.stderr)
             return 0
         out.write(decoder.flush() + "\n")
@@ -368,7 +398,7 @@ def _fail(message: str, status: int = 1):
 _HELP = {"-h", "--help", "-help", "--helpshort", "-?"}
 _USAGE = """usage: jllama [--flag=value ...]
        jllama fetch NAME                      download a known model (smollm2) into the cache
-       jllama tokenize --prompt=TEXT [--pieces] [--checkpoint=...]
+       jllama tokenize --prompt=TEXT [--pieces] [--parse_special] [--checkpoint=...]
 
 Generates text with a Llama model from a llama2.c checkpoint or a GGUF file.
 With no flags it tells a story from the embedded stories260K model, as llama2.c's run does.

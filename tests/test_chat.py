@@ -491,3 +491,29 @@ def test_template_fields_must_be_strings():
         ChatTemplate(None)
     with pytest.raises(ChatError, match="chat template: bos_token must be a str, got int"):
         ChatTemplate(DEFAULT_CHATML, bos_token=1)
+
+
+@pytest.mark.parametrize(
+    "source, needle",
+    [
+        ("{% for x in range(99999) %}{% for y in range(99999) %}{% endfor %}{% endfor %}",
+         "loop steps"),
+        ("{{ 'x' * 10**10 }}", "refused"),
+        ("{{ 'x' * 100000000 }}", "refused"),
+        ("{{ [1] * 100000000 }}", "refused"),
+        ("{{ 7 ** 100000000 }}", "too large"),
+    ],
+)
+def test_hostile_templates_are_refused_quickly(source, needle):
+    """A template comes from a model file: it must not hang or exhaust memory."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ChatError, match=needle):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - start < 10
+
+
+def test_bounded_range_still_behaves_like_range():
+    source = "{% for i in range(3) %}{{ i }}{% if not loop.last %},{% endif %}{% endfor %}|{{ range(2, 8, 3) | list }}|{{ range(5) | length }}"
+    assert ChatTemplate(source).render([{"role": "user", "content": "hi"}]) == "0,1,2|[2, 5]|5"

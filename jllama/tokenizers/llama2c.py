@@ -677,6 +677,11 @@ def read_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> To
     except OSError as e:
         raise TokenizerError(f"{what}: cannot read: {e.strerror or e}") from None
 
+    if data[:4] == b"GGUF":
+        raise TokenizerError(
+            f"{what}: is a GGUF model file, not a llama2.c tokenizer (a GGUF file carries its "
+            "own tokenizer: pass it as --checkpoint)"
+        )
     if len(data) < _HEADER.size:
         raise TokenizerError(
             f"{what}: {len(data)} bytes, shorter than the 4-byte header (max_token_length)"
