@@ -20,6 +20,51 @@ MAX_VOCAB = 1 << 22
 MAX_SEQ_LEN = 1 << 22
 
 
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched for a longer context (Hugging Face's `rope_scaling`).
+
+    Attributes:
+      rope_type: "linear" (every frequency divided by `factor`, i.e. positions compressed) or
+        "llama3" (Llama 3.1/3.2: low frequencies divided by `factor`, high ones kept, a smooth
+        blend between; `jllama.rope.rope_frequencies` has the formula).
+      factor: the stretch, > 0 (e.g. 8.0 for Llama 3.1, 32.0 for Llama 3.2).
+      low_freq_factor, high_freq_factor: llama3 only; wavelengths longer than
+        original_max_position_embeddings / low_freq_factor are fully scaled, shorter than
+        original_max_position_embeddings / high_freq_factor untouched (Llama 3.1: 1.0, 4.0).
+      original_max_position_embeddings: llama3 only; the pre-training context, tokens (8192).
+
+    Raises:
+      ConfigError: an unknown type or out-of-range values.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ConfigError(
+                f"rope_scaling type {self.rope_type!r} is not supported "
+                f"(supported: {', '.join(ROPE_SCALING_TYPES)})"
+            )
+        if not self.factor > 0:
+            raise ConfigError(f"rope_scaling factor={self.factor} must be positive")
+        if self.rope_type == "llama3":
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ConfigError(
+                    f"rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < "
+                    f"high_freq_factor ({self.high_freq_factor})"
+                )
+            if not self.original_max_position_embeddings > 0:
+                raise ConfigError("rope_scaling original_max_position_embeddings must be positive")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Llama-family transformer hyperparameters (llama2.c's `Config`, plus norm and RoPE settings).
@@ -37,6 +82,7 @@ class ModelConfig:
       norm_eps: epsilon inside RMSNorm's square root (llama2.c: 1e-5).
       rope_theta: RoPE base frequency (llama2.c: 10000).
       head_dim: size of one attention head; defaults to `dim // n_heads` as in run.c.
+      rope_scaling: a `RopeScaling`, or None for plain RoPE.
 
     Raises:
       ConfigError: a size that is non-positive or absurdly large, or sizes that do not fit
@@ -54,6 +100,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     head_dim: int = 0  # 0: derive dim // n_heads
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         limits = {

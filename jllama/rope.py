@@ -18,7 +18,33 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     """Inverse frequencies of the rotated pairs: f32[head_dim // 2] (radians per token).
 
     Computed in float32 as run.c does (`1.0f / powf(theta, 2i / (float)head_dim)`), so angles
-    match run.c's to the last bit or two.
+    match run.c's to the last bit or two. With `config.rope_scaling` they are then scaled as
+    Hugging Face transformers' `ROPE_INIT_FUNCTIONS` do (`_compute_linear_scaling_parameters`,
+    `_compute_llama3_parameters`; attention is not rescaled for either):
+
+      linear: inv_freq / factor
+      llama3: with wavelen = 2 pi / inv_freq, L = original_max_position_embeddings,
+        wavelen > L / low_freq_factor        -> inv_freq / factor
+        wavelen < L / high_freq_factor       -> inv_freq
+        otherwise, s = (L / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor),
+                                             -> (1 - s) * inv_freq / factor + s * inv_freq
     """
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
-    return (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(np.float32)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(
+        np.float32
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = np.float32(scaling.factor)
+    if scaling.rope_type == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    # llama3, in float32 as transformers computes it
+    old = np.float32(scaling.original_max_position_embeddings)
+    low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
+    wavelen = np.float32(2 * np.pi) / inv_freq
+    scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
