@@ -22,7 +22,7 @@ from jllama.errors import JllamaError
 from jllama.fetch import KNOWN_MODELS, fetch
 from jllama.files import require_regular_file
 from jllama.generate import Generation, GenerationStats, resolve_steps
-from jllama.loading import open_model
+from jllama.loading import open_model, required_memory
 from jllama.sampling import Sampler
 from jllama.weights import tensor_stats
 
@@ -81,6 +81,13 @@ flags.DEFINE_bool(
     False,
     "Let special-token text in --prompt (e.g. <|im_start|>) become the special token, as "
     "llama.cpp's llama-tokenize does; by default it stays plain text.",
+)
+flags.DEFINE_enum(
+    "dtype",
+    "auto",
+    ["auto", "float32", "bfloat16"],
+    "Type to hold the weight matrices in: auto = as read (float32 for llama2.c and GGUF files, "
+    "the stored type for Hugging Face folders); bfloat16 halves the memory.",
 )
 flags.DEFINE_bool("pieces", False, "tokenize: print each id with its text, one per line.")
 flags.DEFINE_bool("force", False, "fetch: download again even if the cached file verifies.")
@@ -169,10 +176,12 @@ def main(argv: list[str]) -> int:
     model = open_model(
         FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None,
         need_tokenizer=not FLAGS.verify_checkpoint,
+        dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype,
     )
     config, tokenizer = model.config, model.tokenizer
     if FLAGS.verify_checkpoint:
         return _verify(model.weights)
+    print(f"jllama: {required_memory(model)}", file=sys.stderr)
     if FLAGS.mode == "chat" and FLAGS.output_format != "text":
         raise JllamaError("--output_format=json is for --mode=generate; chat mode prints text")
     if FLAGS.mode == "chat" and not model.chat_template:

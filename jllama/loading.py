@@ -22,7 +22,13 @@ from jllama.fetch import KNOWN_MODELS, cached_path, resolve_checkpoint
 from jllama.formats.gguf import is_gguf, read_gguf
 from jllama.formats.llama2c import read_checkpoint
 from jllama.tokenizers.llama2c import Tokenizer, read_tokenizer
-from jllama.weights import TransformerWeights
+from jllama.weights import (
+    DTYPES,
+    TransformerWeights,
+    cast_weights,
+    weights_dtype,
+    weights_nbytes,
+)
 
 
 def _data_file(name: str) -> Path:
@@ -80,7 +86,7 @@ class Model:
         encode, decode, stream_decoder, bos_id, eos_id, stop_ids, add_bos).
       chat_template: jinja source of the model's chat template, or None (llama2.c files).
       source: the checkpoint's path.
-      file_format: "llama2c" or "gguf".
+      file_format: "llama2c", "gguf" or "hf".
       context_length: the context the model was trained for, tokens (>= config.seq_len).
       tensor_types: GGML type name per tensor as stored (GGUF), else {}.
     """
@@ -100,35 +106,76 @@ def open_model(
     tokenizer: str | os.PathLike | None = None,
     seq_len: int | None = None,
     need_tokenizer: bool = True,
+    dtype: str | None = None,
 ) -> Model:
-    """Read a checkpoint (llama2.c or GGUF, or a known model's name) with its tokenizer.
+    """Read a checkpoint (llama2.c file, GGUF file, Hugging Face folder, or a known model's
+    name) with its tokenizer.
 
     Args:
       checkpoint: a path, a known model's name (`smollm2`), or None for the embedded
         stories260K.
       tokenizer: a llama2.c tokenizer file (llama2.c checkpoints only); None picks one with
-        `find_tokenizer`. A GGUF file carries its own.
+        `find_tokenizer`. GGUF files and Hugging Face folders carry their own.
       seq_len: cap on the context (tokens) the KV cache is sized for; None = the model's.
-      need_tokenizer: False leaves a llama2.c checkpoint's tokenizer unread (tokenizer None),
-        e.g. to inspect the weights alone.
+      need_tokenizer: False leaves the tokenizer unread (tokenizer None), e.g. to inspect or
+        convert the weights alone.
+      dtype: "float32" or "bfloat16" to hold the weight matrices in (RMSNorm gains stay
+        float32); None keeps what the reader gives: float32 for llama2.c and GGUF files (GGUF
+        quantized tensors are dequantized), the stored type for Hugging Face folders (a
+        bfloat16 model stays bfloat16).
 
     Raises:
-      CheckpointError: a missing or malformed checkpoint (see `read_checkpoint`, `read_gguf`).
+      CheckpointError: a missing or malformed checkpoint (see `read_checkpoint`, `read_gguf`,
+        `read_hf`).
       TokenizerError: a missing, malformed or mismatched tokenizer, or `tokenizer` given for a
-        GGUF file.
+        GGUF file or a Hugging Face folder.
       FetchError: a known model's name that has not been fetched.
-      ConfigError: seq_len < 1.
+      ConfigError: seq_len < 1, or an unknown dtype.
     """
     if seq_len is not None and seq_len < 1:
         raise ConfigError(f"seq_len={seq_len} must be at least 1")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     path = resolve_checkpoint(checkpoint) if checkpoint else embedded_checkpoint()
+    model = _read(path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype)
+    if dtype is not None:
+        model = dataclasses.replace(model, weights=cast_weights(model.weights, dtype))
+    return model
+
+
+def _refuse_tokenizer(tokenizer, path, kind: str) -> None:
+    if tokenizer is not None:
+        raise TokenizerError(
+            f"--tokenizer={tokenizer} is for llama2.c checkpoints: the {kind} {path} carries "
+            "its own tokenizer"
+        )
+
+
+def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> Model:
+    if path.is_dir():
+        from jllama.formats.hf import read_hf
+
+        _refuse_tokenizer(tokenizer, path, "Hugging Face folder")
+        h = read_hf(path, seq_len=seq_len, dtype=dtype)
+        hf_tokenizer = None
+        if need_tokenizer:
+            from jllama.tokenizers.hf import read_hf_tokenizer
+
+            hf_tokenizer = read_hf_tokenizer(path)
+            if hf_tokenizer.vocab_size > h.config.vocab_size:
+                raise TokenizerError(
+                    f"{path}: the tokenizer has {hf_tokenizer.vocab_size} tokens but the model's "
+                    f"vocab_size is {h.config.vocab_size}"
+                )
+        return Model(
+            config=h.config, weights=h.weights, tokenizer=hf_tokenizer,
+            chat_template=getattr(hf_tokenizer, "chat_template", None) or h.chat_template,
+            source=str(path), file_format="hf", context_length=h.context_length,
+            tensor_types=dict(h.dtypes),
+        )
     # A .gguf name is read as GGUF even without the magic, so a damaged file is called that.
     if is_gguf(path) or (path.suffix.lower() == ".gguf" and path.is_file()):
-        if tokenizer is not None:
-            raise TokenizerError(
-                f"--tokenizer={tokenizer} is for llama2.c checkpoints: the GGUF file {path} "
-                "carries its own tokenizer"
-            )
+        _refuse_tokenizer(tokenizer, path, "GGUF file")
         try:
             g = read_gguf(path, seq_len=seq_len)
         except CheckpointError as e:
@@ -152,6 +199,20 @@ def open_model(
         tokenizer=load_tokenizer(path, config.vocab_size, tokenizer) if need_tokenizer else None,
         chat_template=None, source=str(path), file_format="llama2c",
         context_length=context_length,
+    )
+
+
+def required_memory(model: Model) -> str:
+    """One line saying what running `model` needs, before the KV cache is allocated (as
+    Distributed Llama's "RequiredMemory"): the weights in their dtype plus the f32 KV cache for
+    seq_len tokens, in MB (10^6 bytes)."""
+    config = model.config
+    weights = weights_nbytes(model.weights)
+    cache = config.kv_cache_nbytes()
+    return (
+        f"required memory: {(weights + cache) / 1e6:.1f} MB = weights {weights / 1e6:.1f} MB "
+        f"({weights_dtype(model.weights)}) + KV cache {cache / 1e6:.1f} MB "
+        f"({config.seq_len} tokens, float32)"
     )
 
 

@@ -106,6 +106,57 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> T
     return TransformerWeights(**arrays)
 
 
+DTYPES = ("float32", "bfloat16")
+"""Weight dtypes a model can be held in (`cast_weights`, the CLI's --dtype)."""
+
+_MATRICES = ("token_embedding_table", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wcls")
+
+
+def weights_dtype(weights: TransformerWeights) -> str:
+    """The dtype name of the weight matrices ("float32", "bfloat16", ...; "mixed" if they
+    differ). RMSNorm gains are float32 in every layout and do not count."""
+    names = {np.dtype(getattr(weights, f).dtype).name for f in _MATRICES}
+    return names.pop() if len(names) == 1 else "mixed"
+
+
+def weights_nbytes(weights: TransformerWeights) -> int:
+    """Bytes the weights occupy (a classifier shared with the embedding counted once)."""
+    seen, total = set(), 0
+    for field in dataclasses.fields(weights):
+        array = getattr(weights, field.name)
+        if id(array) not in seen:
+            seen.add(id(array))
+            total += array.nbytes
+    return total
+
+
+def cast_weights(weights: TransformerWeights, dtype: str) -> TransformerWeights:
+    """The weight matrices converted to `dtype` ("float32" or "bfloat16"); RMSNorm gains stay
+    float32. A shared classifier stays the same array as the embedding. Arrays already of
+    `dtype` are kept (no copy).
+
+    Widening bfloat16 to float32 is exact; narrowing rounds to nearest even (as
+    `ml_dtypes.bfloat16` and torch's `.to(torch.bfloat16)` do).
+
+    Raises:
+      ConfigError: an unknown dtype name.
+    """
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    import ml_dtypes
+
+    target = np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16)
+    shared = weights.wcls is weights.token_embedding_table
+    changes = {}
+    for name in _MATRICES:
+        array = getattr(weights, name)
+        if array.dtype != target and not (name == "wcls" and shared):
+            changes[name] = np.asarray(array).astype(target)
+    if shared and "token_embedding_table" in changes:
+        changes["wcls"] = changes["token_embedding_table"]
+    return dataclasses.replace(weights, **changes) if changes else weights
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerWeights:

@@ -255,3 +255,19 @@ def test_versioned_llama2c_file_is_named(tmp_path):
     bad = tmp_path / "v1.bin"
     bad.write_bytes(struct.pack("<Ii", 0x616B3432, 1) + bytes(256))
     _assert_one_line_error(run(f"--checkpoint={bad}"), "v1.bin", "version 1 or 2")
+
+
+def test_bfloat16_weights_report_memory_and_agree_across_backends():
+    results = [
+        run("--temperature=0", "--steps=60", "--dtype=bfloat16", f"--backend={b}")
+        for b in ("jax", "numpy")
+    ]
+    for result in results:
+        assert result.returncode == 0, result.stderr
+        # stories260K: 260K parameters in bfloat16 (2 bytes each, the shared classifier once)
+        # and a 512-token f32 cache: 2 (k, v) * 5 layers * 4 kv heads * 512 * 8 (head_dim)
+        # floats * 4 bytes = 655,360 bytes.
+        assert "required memory: " in result.stderr and "(bfloat16)" in result.stderr
+        assert "KV cache 0.7 MB (512 tokens, float32)" in result.stderr
+    assert results[0].stdout == results[1].stdout
+    assert results[0].stdout.startswith("Once upon a time")

@@ -249,3 +249,38 @@ def test_unsupported_type_names_tensor_and_type(bad_files):
     with pytest.raises(CheckpointError) as info:
         read_gguf(bad_files["unsupported_type"][0])
     assert "blk.0.ffn_down.weight" in str(info.value) and "Q6_K" in str(info.value)
+
+
+def test_linear_rope_scaling_is_read(tmp_path, tiny_weights):
+    from jllama.config import RopeScaling
+    from jllama.rope import rope_frequencies
+
+    path = tmp_path / "linear.gguf"
+    write_gguf(path, TINY, tiny_weights)
+    # Add the two keys with the gguf writer's own API on a fresh file.
+    writer_path = tmp_path / "linear2.gguf"
+    import gguf as gguf_package
+
+    reader = gguf_package.GGUFReader(str(path))
+    w = gguf_package.GGUFWriter(str(writer_path), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf_package.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, kind)
+    w.add_string("llama.rope.scaling.type", "linear")
+    w.add_float32("llama.rope.scaling.factor", 4.0)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    config = read_gguf(writer_path).config
+    assert config.rope_scaling == RopeScaling("linear", 4.0)
+    plain = rope_frequencies(dataclasses.replace(config, rope_scaling=None))
+    np.testing.assert_array_equal(rope_frequencies(config), plain / np.float32(4.0))

@@ -21,7 +21,7 @@ from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
 from jllama.errors import BackendError
 from jllama.rope import rope_frequencies
-from jllama.weights import TransformerWeights, check_shapes, to_graph_weights
+from jllama.weights import TransformerWeights, check_shapes, to_graph_weights, weights_dtype
 
 
 class JaxGraphBackend:
@@ -57,12 +57,16 @@ class JaxGraphBackend:
 
     def prepare(self, config: ModelConfig, weights: TransformerWeights) -> None:
         """Convert the weights to the per-layer layout on the device, allocate the caches
-        (2 * n_layers arrays of f32[n_kv_heads, seq_len, head_dim]) and compile the programs."""
+        (2 * n_layers arrays of f32[n_kv_heads, seq_len, head_dim]) and compile the programs.
+
+        Weight matrices keep their dtype on the device (float32, or bfloat16: half the bytes,
+        widened to float32 inside each product); activations, caches and logits are float32."""
         check_shapes(config, weights)
         self.config = config
         host = to_graph_weights(weights)
         # The embedding table stays on the host: one row per token is all a step needs.
         self.token_embedding_table = np.asarray(host.token_embedding_table)
+        self.weights_dtype = weights_dtype(weights)
         self.layers, self.rms_final_weight, self.wcls = jax.device_put(
             (host.layers, host.rms_final_weight, host.wcls), self.device
         )
@@ -82,7 +86,7 @@ class JaxGraphBackend:
         if config is None:
             raise RuntimeError("JaxGraphBackend.forward called before prepare")
         token, pos = check_token_pos(config, token, pos)
-        x = jax.device_put(self.token_embedding_table[token], self.device)
+        x = jax.device_put(self.token_embedding_table[token].astype(np.float32), self.device)
         pos_arr = jax.device_put(np.int32(pos), self.device)
         window = graphs.attention_window(config.seq_len, pos)
         for l, layer in enumerate(self.layers):

@@ -22,7 +22,7 @@ import numpy as np
 from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
 from jllama.rope import rope_frequencies
-from jllama.weights import TransformerWeights, check_shapes
+from jllama.weights import TransformerWeights, cast_weights, check_shapes
 
 _F32 = np.float32
 
@@ -184,11 +184,12 @@ class NumpyBackend:
         self.config: ModelConfig | None = None
 
     def prepare(self, config: ModelConfig, weights: TransformerWeights) -> None:
-        """Keep the weights as they are (file layout, possibly memory-mapped) and allocate the
-        cache: 2 * n_layers * n_kv_heads * seq_len * head_dim float32s."""
+        """Keep float32 weights as they are (file layout, possibly memory-mapped), widen others
+        (bfloat16) to float32 once, since the reference computes in float32 throughout; and
+        allocate the cache: 2 * n_layers * n_kv_heads * seq_len * head_dim float32s."""
         check_shapes(config, weights)
         self.config = config
-        self.weights = weights
+        self.weights = cast_weights(weights, "float32")
         self.cache = KVCache.zeros(config)
         self.inv_freq = rope_frequencies(config)
 

@@ -12,8 +12,9 @@ Metadata keys read (prefix `llama.`, as llama.cpp's `llm_load_hparams` for LLM_A
   attention.layer_norm_rms_epsilon -> norm_eps, rope.freq_base -> rope_theta (default 10000),
   rope.dimension_count (must be head_dim: partial rotary embeddings are not supported),
   vocab_size (default: the tokenizer's token count).
-A file with `rope.scaling.type` other than none, or a `rope_freqs.weight` tensor (Llama 3.1
-scaled RoPE), is refused until RoPE scaling lands.
+`rope.scaling.type` "linear" with `rope.scaling.factor` becomes a linear `RopeScaling`; other
+types, and a `rope_freqs.weight` tensor (llama.cpp's per-frequency factors for Llama 3.1 scaled
+RoPE), are refused with an error.
 
 Tensor names (llama.cpp's `LLM_TENSOR_NAMES`) and where they go:
   token_embd.weight -> token_embedding_table   output_norm.weight -> rms_final_weight
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from jllama.config import ModelConfig
+from jllama.config import ModelConfig, RopeScaling
 from jllama.errors import CheckpointError, ConfigError, TokenizerError
 from jllama.files import require_regular_file
 from jllama.formats import ggml_quants
@@ -199,9 +200,12 @@ def config_from_metadata(
             "(partial rotary embeddings are not supported)"
         )
     scaling = meta.get(p + "rope.scaling.type", "none")
-    if scaling not in ("none", ""):
+    rope_scaling = None
+    if scaling == "linear":
+        rope_scaling = RopeScaling("linear", _get(meta, p + "rope.scaling.factor", source, float))
+    elif scaling not in ("none", ""):
         raise CheckpointError(
-            f"{source}: rope.scaling.type={scaling!r} is not supported yet (RoPE scaling)"
+            f"{source}: rope.scaling.type={scaling!r} is not supported (supported: linear)"
         )
     context_length = _get(meta, p + "context_length", source, int)
     if vocab_size is None:
@@ -227,6 +231,7 @@ def config_from_metadata(
             norm_eps=_get(meta, p + "attention.layer_norm_rms_epsilon", source, float),
             rope_theta=_get(meta, p + "rope.freq_base", source, float, 10000.0),
             head_dim=head_dim,
+            rope_scaling=rope_scaling,
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None

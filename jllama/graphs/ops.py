@@ -14,7 +14,13 @@ PRECISION = jax.lax.Precision.HIGHEST
 
 
 def matmul(w: jax.Array, x: jax.Array) -> jax.Array:
-    """w: f32[out, in] (one row per output), x: f32[in] -> f32[out]."""
+    """w: f32[out, in] or bf16[out, in] (one row per output), x: f32[in] -> f32[out].
+
+    bfloat16 weights are widened to float32 inside the product (exact), so activations and
+    sums stay float32 whatever the weights' storage type.
+    """
+    if w.dtype != jnp.float32:
+        w = w.astype(jnp.float32)
     return jnp.dot(w, x, precision=PRECISION)
 
 
