@@ -181,7 +181,6 @@ def main(argv: list[str]) -> int:
     config, tokenizer = model.config, model.tokenizer
     if FLAGS.verify_checkpoint:
         return _verify(model.weights)
-    print(f"jllama: {required_memory(model)}", file=sys.stderr)
     if FLAGS.mode == "chat" and FLAGS.output_format != "text":
         raise JllamaError("--output_format=json is for --mode=generate; chat mode prints text")
     if FLAGS.mode == "chat" and not model.chat_template:
@@ -207,6 +206,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.temperature > 0 and not FLAGS.seed:
         print(f"jllama: seed {seed} (repeat with --seed={seed})", file=sys.stderr)
 
+    print(f"jllama: {required_memory(model)}", file=sys.stderr)
     backend = make_backend(FLAGS.backend)
     if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
         runtime.check_kv_cache_fits(config)
