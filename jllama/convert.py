@@ -1,0 +1,95 @@
+"""Converting any checkpoint jllama reads into a llama2.c checkpoint file.
+
+The source is read with `jllama.loading.open_model` (a llama2.c file of any version, a GGUF
+file, a known model's name, and whatever else that function reads), so its weights arrive as
+float32 or bfloat16 arrays in llama2.c's layout (GGUF quantized tensors already dequantized).
+They are written with `jllama.formats.llama2c.write_checkpoint`: version 1 (float32, export.py's
+`version1_export`) by default, version 2 (Q8_0, for runq.c) or the legacy version 0 (run.c).
+
+The tokenizer is not converted: only the weights file is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from jllama.config import ModelConfig
+from jllama.formats.llama2c import DEFAULT_GROUP_SIZE, check_version, write_checkpoint
+from jllama.loading import open_model
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertReport:
+    """What `convert` read and wrote.
+
+    Attributes:
+      source: the checkpoint read (its resolved path).
+      source_format: `open_model`'s file_format ("llama2c", "gguf", ...).
+      destination: the file written (a link's target when `dst` was a symbolic link).
+      version: llama2.c version written (0, 1 or 2).
+      config: the model's config as written (seq_len: the source's whole context).
+      nbytes: size of the file written, bytes.
+      group_size: Q8_0 elements per scale as stored (version 2), else 0.
+      max_quantization_error: largest |dequantized - original| over all quantized weights
+        (version 2), else 0.0.
+      quantization_errors: the same per `TransformerWeights` field (version 2), else {}.
+    """
+
+    source: str
+    source_format: str
+    destination: Path
+    version: int
+    config: ModelConfig
+    nbytes: int
+    group_size: int = 0
+    max_quantization_error: float = 0.0
+    quantization_errors: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    version: int = 1,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    force: bool = False,
+) -> ConvertReport:
+    """Read the checkpoint `src` and write it to `dst` as a llama2.c checkpoint.
+
+    Args:
+      src: anything `open_model` takes as a checkpoint (a path or a known model's name).
+      dst: the llama2.c file to write (atomically, see `write_checkpoint`).
+      version: 1 (float32, the default), 2 (Q8_0) or 0 (legacy).
+      group_size: version 2's Q8_0 group size, reduced to fit the model as
+        `jllama.formats.llama2c.fit_group_size` says; the report gives the one stored.
+      force: write even if the source's norm_eps, rope_theta or rope_scaling differ from the
+        1e-5, 10000 and plain RoPE that llama2.c's readers assume; the file then describes a
+        different model (see `write_checkpoint`).
+
+    Returns:
+      a `ConvertReport`.
+
+    Raises:
+      CheckpointError, FetchError: `src` cannot be read (see `open_model`), or `dst` cannot be
+        written.
+      ConfigError: the model cannot be stored in a llama2.c file (a field named in the
+        message: head_dim, norm_eps, rope_theta, rope_scaling), a bad version or group_size,
+        or NaN/infinite weights for version 2.
+    """
+    check_version(version)  # before reading a model that could not be written
+    model = open_model(src, need_tokenizer=False)
+    written = write_checkpoint(
+        dst, model.config, model.weights, version=version, group_size=group_size, force=force
+    )
+    return ConvertReport(
+        source=model.source,
+        source_format=model.file_format,
+        destination=written.path,
+        version=written.version,
+        config=model.config,
+        nbytes=written.nbytes,
+        group_size=written.group_size,
+        max_quantization_error=written.max_quantization_error,
+        quantization_errors=written.quantization_errors,
+    )
