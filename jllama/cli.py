@@ -90,7 +90,24 @@ flags.DEFINE_enum(
     "the stored type for Hugging Face folders); bfloat16 halves the memory.",
 )
 flags.DEFINE_bool("pieces", False, "tokenize: print each id with its text, one per line.")
-flags.DEFINE_bool("force", False, "fetch: download again even if the cached file verifies.")
+flags.DEFINE_bool(
+    "force",
+    False,
+    "fetch: download again even if the cached file verifies. convert: write settings a "
+    "llama2.c file cannot hold (norm_eps, rope_theta, rope_scaling), which run.c then ignores.",
+)
+flags.DEFINE_string("output", None, "convert: the llama2.c checkpoint file to write.")
+flags.DEFINE_enum(
+    "llama2c_version",
+    "1",
+    ["0", "1", "2"],
+    "convert: llama2.c format version: 0 (legacy, run.c), 1 (float32, export.py), 2 (Q8_0, "
+    "runq.c).",
+)
+flags.DEFINE_integer(
+    "group_size", 64, "convert: Q8_0 group size for version 2 (halved until it fits).",
+    lower_bound=1,
+)
 flags.DEFINE_integer(
     "seed",
     None,
@@ -166,9 +183,12 @@ def main(argv: list[str]) -> int:
     if command == "tokenize":
         _no_arguments("tokenize", args)
         return _tokenize()
+    if command == "convert":
+        _no_arguments("convert", args)
+        return _convert()
     if command is not None:
         raise JllamaError(
-            f"unexpected argument {command!r} (commands: fetch, tokenize; flags take the form "
+            f"unexpected argument {command!r} (commands: fetch, tokenize, convert; flags take the form "
             "--name=value)"
         )
     if FLAGS.threads:
@@ -313,6 +333,31 @@ def _fetch(args: list[str]) -> int:
     return 0
 
 
+def _convert() -> int:
+    if not FLAGS.checkpoint or not FLAGS.output:
+        raise JllamaError("convert needs --checkpoint=SOURCE and --output=FILE.bin")
+    from jllama.convert import convert
+
+    try:
+        report = convert(
+            FLAGS.checkpoint, FLAGS.output, version=int(FLAGS.llama2c_version),
+            group_size=FLAGS.group_size, force=FLAGS.force,
+        )
+    except JllamaError as e:
+        raise type(e)(str(e).replace("force=True", "--force")) from None
+    line = (
+        f"wrote {report.destination}: llama2.c version {report.version}, "
+        f"{report.nbytes} bytes, from {report.source_format} {report.source}"
+    )
+    if report.version == 2:
+        line += (
+            f"; Q8_0 group size {report.group_size}, max quantization error "
+            f"{report.max_quantization_error:.3g}"
+        )
+    print(line, flush=True)
+    return 0
+
+
 def _tokenize() -> int:
     model = open_model(FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None)
     tokenizer = model.tokenizer
@@ -408,6 +453,7 @@ _HELP = {"-h", "--help", "-help", "--helpshort", "-?"}
 _USAGE = """usage: jllama [--flag=value ...]
        jllama fetch NAME                      download a known model (smollm2) into the cache
        jllama tokenize --prompt=TEXT [--pieces] [--parse_special] [--checkpoint=...]
+       jllama convert --checkpoint=SOURCE --output=FILE.bin [--llama2c_version=1|2|0]
 
 Generates text with a Llama model from a llama2.c checkpoint or a GGUF file.
 With no flags it tells a story from the embedded stories260K model, as llama2.c's run does.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -225,10 +226,11 @@ def test_nan_weights_stop_generation_with_one_line(tmp_path):
     bad = tmp_path / "nan" / "model.bin"
     bad.parent.mkdir()
     bad.write_bytes(STORIES260K.read_bytes()[:28] + data.tobytes())
-    _assert_one_line_error(
-        run(f"--checkpoint={bad}", f"--tokenizer={TOK512}", "--seed=1"), "not finite",
-        "--verify_checkpoint",
-    )
+    result = run(f"--checkpoint={bad}", f"--tokenizer={TOK512}", "--seed=1")
+    # The run got as far as the model: its required-memory line comes before the error.
+    assert result.stderr.startswith("jllama: required memory: ")
+    result.stderr = result.stderr.split("\n", 1)[1]
+    _assert_one_line_error(result, "not finite", "--verify_checkpoint")
 
 
 def test_tokenizer_beside_the_checkpoint_is_chosen_by_size(tmp_path):
@@ -251,10 +253,10 @@ def test_no_fitting_tokenizer_names_what_was_looked_for(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-def test_versioned_llama2c_file_is_named(tmp_path):
+def test_versioned_llama2c_file_with_a_bad_header_is_named(tmp_path):
     bad = tmp_path / "v1.bin"
     bad.write_bytes(struct.pack("<Ii", 0x616B3432, 1) + bytes(256))
-    _assert_one_line_error(run(f"--checkpoint={bad}"), "v1.bin", "version 1 or 2")
+    _assert_one_line_error(run(f"--checkpoint={bad}"), "v1.bin", "version-1 header", "dim=0")
 
 
 def test_bfloat16_weights_report_memory_and_agree_across_backends():
@@ -271,3 +273,28 @@ def test_bfloat16_weights_report_memory_and_agree_across_backends():
         assert "KV cache 0.7 MB (512 tokens, float32)" in result.stderr
     assert results[0].stdout == results[1].stdout
     assert results[0].stdout.startswith("Once upon a time")
+
+
+@pytest.mark.parametrize("version", ["1", "0"])
+def test_convert_then_run_tells_run_c_story(tmp_path, version):
+    out = tmp_path / "m.bin"
+    result = run("convert", f"--checkpoint={STORIES260K}", f"--output={out}",
+                 f"--llama2c_version={version}")
+    assert result.returncode == 0, result.stderr
+    assert f"llama2.c version {version}" in result.stdout and out.is_file()
+    result = run(f"--checkpoint={out}", f"--tokenizer={TOK512}", "--temperature=0", "--steps=200")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == STORY
+
+
+def test_convert_needs_both_paths_and_names_force(tmp_path):
+    _assert_one_line_error(run("convert", f"--output={tmp_path / 'x.bin'}"), "--checkpoint")
+    config = ModelConfig(dim=16, hidden_dim=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                         vocab_size=512, seq_len=8, rope_theta=500000.0)
+    from gguf_files import write_gguf  # a GGUF can hold rope_theta; llama2.c cannot
+
+    src = write_gguf(tmp_path / "m.gguf", dataclasses.replace(config, vocab_size=259),
+                     random_weights(dataclasses.replace(config, vocab_size=259)))
+    result = run("convert", f"--checkpoint={src}", f"--output={tmp_path / 'y.bin'}")
+    _assert_one_line_error(result, "rope_theta", "--force")
+    assert not (tmp_path / "y.bin").exists()
