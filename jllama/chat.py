@@ -557,3 +557,26 @@ def _cut(text: str, spans: Sequence[tuple[int, int]]) -> list[tuple[str, bool]]:
         else:
             segments.append((text[start:end], from_template))
     return segments
+
+
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+"""The Llama 3 instruct layout, for a Llama 3 model that carries no template (Meta's
+`tokenizer.model` has none).
+
+The text starts with `bos_token` (`<|begin_of_text|>`: the tokenizer must then not add another
+BOS); each message becomes `<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>`
+with the content stripped of surrounding whitespace, and the generation prompt is
+`<|start_header_id|>assistant<|end_header_id|>\\n\\n`. This renders as Meta's Llama 3 Instruct
+template on Hugging Face does. No system line or date is added (Llama 3.1's template adds
+a "Cutting Knowledge Date" system message; that model's folder carries its own template).
+"""

@@ -1,0 +1,637 @@
+"""The tokenizer of a Hugging Face model folder (`tokenizer.json` and its companions).
+
+Files read (Hugging Face `tokenizers`' serialization and transformers' side files):
+  tokenizer.json          required: `model` (type "BPE": `vocab` text -> id, `merges` as
+                          "a b" strings or [a, b] pairs, `byte_fallback`, `ignore_merges`),
+                          `added_tokens` ({id, content, special, lstrip, rstrip, single_word}),
+                          `normalizer`, `pre_tokenizer`, `post_processor`
+  tokenizer_config.json   optional: `bos_token`, `eos_token` (a str, or {"content": str}),
+                          `add_bos_token`, `chat_template`
+  special_tokens_map.json optional: `bos_token`, `eos_token` when the config lacks them
+  generation_config.json  optional: `eos_token_id` (int or list: every one ends a generation),
+                          `bos_token_id` when no file names a BOS token
+  config.json             optional: `bos_token_id`, `eos_token_id` as a last resort
+  chat_template.jinja     optional: the chat template (it wins over tokenizer_config.json's)
+
+Two kinds of `tokenizer.json` are understood, and built as jllama's own tokenizers (the
+`tokenizers` library is only the tests' oracle):
+
+- byte-level BPE (GPT-2, SmolLM, Llama 3, ...): no normalizer and one of the pre-tokenizers
+  of `BYTE_LEVEL_PRE_TOKENIZERS`, built as a `jllama.tokenizers.bpe.ByteLevelBPE`. Vocabulary
+  tokens are normal tokens, special added tokens control tokens (matched in the text only with
+  parse_special), other added tokens user-defined (always matched, as `tokenizers` does);
+- SentencePiece-style BPE (Llama 2, Mistral v0.1, TinyLlama): `byte_fallback`, spaces written
+  as "▁" by a `Prepend("▁")` + `Replace(" ", "▁")` normalizer (or no prefix at all), built as a
+  `jllama.tokenizers.llama2c.Tokenizer` whose scores are minus the rank of each token's first
+  merge. That is exact when every way of cutting a merged token into two tokens is one of its
+  merges (true of files converted from a SentencePiece model), which is checked; a file that
+  does not meet it, or uses a Metaspace pre-tokenizer that adds the "▁" prefix (its prefix
+  depends on whether the text already starts with a space, which the SentencePiece rule does
+  not), is refused.
+
+Anything else (another model type, a normalizer, an unknown pre-tokenizer, added tokens with
+lstrip/rstrip/single_word) is a one-line `TokenizerError` naming what was found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import regex
+
+from jllama.errors import TokenizerError
+from jllama.files import require_regular_file
+from jllama.tokenizers.bpe import (
+    CONTROL,
+    END_OF_GENERATION_TEXTS,
+    NORMAL,
+    PRE_TOKENIZERS,
+    UNUSED,
+    USER_DEFINED,
+    ByteLevelBPE,
+)
+from jllama.tokenizers.llama2c import Tokenizer
+from jllama.tokenizers.tiktoken_model import LLAMA3_PATTERN, LLAMA3_STOP_TOKENS
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+GENERATION_CONFIG = "generation_config.json"
+MODEL_CONFIG = "config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+_SPACE_MARK = "\u2581"  # "▁", SentencePiece's space
+_NO_MERGE_SCORE = -1e10  # a score no merge has (run.c merges only above it)
+
+BYTE_LEVEL_PRE_TOKENIZERS = {
+    "llama-bpe": "Sequence[Split(Llama 3 regex, Isolated), ByteLevel(use_regex=False)]",
+    "gpt2": "ByteLevel(use_regex=True)",
+    "smollm": "Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]",
+}
+"""jllama pre-tokenizer name (`ByteLevelBPE.pre`) -> the `tokenizer.json` pre_tokenizer it is
+recognised from (ByteLevel always with add_prefix_space=False)."""
+
+
+def read_hf_tokenizer(folder: str | os.PathLike) -> ByteLevelBPE | Tokenizer:
+    """Read the tokenizer of a Hugging Face model folder.
+
+    Args:
+      folder: the folder holding `tokenizer.json` (and optionally the other files listed in
+        the module docstring).
+
+    Returns:
+      a `ByteLevelBPE` (byte-level vocabularies) or a llama2c `Tokenizer` (SentencePiece-style
+      ones), with `source` the tokenizer.json path and:
+        - bos_id / eos_id: `bos_token` / `eos_token` of tokenizer_config.json (else
+          special_tokens_map.json, else the ids in generation_config.json, else config.json);
+          without any BOS, bos_id = eos_id and BOS is never added;
+        - add_bos: `add_bos_token` of tokenizer_config.json; when absent, whether the
+          post-processor's TemplateProcessing puts BOS first (Llama 3);
+        - stop_ids: EOS, every `eos_token_id` of generation_config.json, the end-of-turn tokens
+          `ByteLevelBPE` knows by text, and Llama 3's `<|end_of_text|>`, `<|eom_id|>` and
+          `<|eot_id|>`.
+
+    Raises:
+      TokenizerError: a missing folder or tokenizer.json, a file that is not JSON or not the
+        expected shape, an unsupported model/normalizer/pre-tokenizer, special tokens that are
+        not in the vocabulary. One line naming the file.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        what = f"Hugging Face tokenizer folder {folder}"
+        raise TokenizerError(f"{what}: {'not a folder' if folder.exists() else 'no such folder'}")
+    path = folder / TOKENIZER_JSON
+    data = _read_json(path, required=True)
+    src = str(path)
+    model = _field(data, "model", dict, src)
+    kind = model.get("type", "BPE" if "merges" in model else None)
+    if kind != "BPE":
+        raise TokenizerError(
+            f"{src}: model type {kind!r}; jllama reads BPE vocabularies only (byte-level, as "
+            "GPT-2/Llama 3, or SentencePiece-style with byte fallback, as Llama 2)"
+        )
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key) not in (None, ""):
+            raise TokenizerError(f"{src}: model.{key} is {model[key]!r}; jllama supports none")
+
+    tokens, specials = _vocabulary(model, data.get("added_tokens") or [], src)
+    ids = _first_ids(tokens)
+    side = _SideFiles.read(folder)
+    bos_id = side.token_id("bos", ids, len(tokens))
+    eos_id = side.token_id("eos", ids, len(tokens))
+    if eos_id is None:
+        raise TokenizerError(
+            f"{folder}: no EOS token: none of {TOKENIZER_CONFIG}, {SPECIAL_TOKENS_MAP}, "
+            f"{GENERATION_CONFIG}, {MODEL_CONFIG} names one"
+        )
+    first = _post_processor_first_token(data.get("post_processor"), ids, src)
+    if bos_id is None:
+        bos_id = first
+    add_bos = side.config.get("add_bos_token")
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise TokenizerError(f"{side.config_path}: add_bos_token is {add_bos!r}, not a bool")
+    if add_bos is None:
+        add_bos = first is not None and first == bos_id
+    if bos_id is None:
+        bos_id, add_bos = eos_id, False
+    stop = {eos_id, *side.eos_ids(len(tokens))}
+    stop |= {ids[t] for t in (*LLAMA3_STOP_TOKENS, *END_OF_GENERATION_TEXTS) if t in ids}
+    parsed = _Parsed(
+        data=data, model=model, tokens=tokens, specials=specials, merges=_merges(model, src),
+        ids=ids, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, stop_ids=frozenset(stop),
+        source=src,
+    )
+    return _sentencepiece(parsed) if model.get("byte_fallback") else _byte_level(parsed)
+
+
+def read_hf_chat_template(folder: str | os.PathLike) -> str | None:
+    """The chat template of a Hugging Face model folder, or None if it has none.
+
+    `chat_template.jinja` if present (transformers gives it priority), else `chat_template` of
+    tokenizer_config.json: a str, or a list of {"name", "template"} from which "default" is
+    taken.
+
+    Raises:
+      TokenizerError: a file that cannot be read or is not JSON, a chat_template of another
+        shape, or a list without "default".
+    """
+    folder = Path(folder)
+    jinja = folder / CHAT_TEMPLATE_FILE
+    if jinja.exists():
+        require_regular_file(jinja, f"chat template {jinja}", TokenizerError)
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"chat template {jinja}: cannot read: {e}") from None
+    path = folder / TOKENIZER_CONFIG
+    config = _read_json(path, required=False) or {}
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {}
+        for item in template:
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                    and isinstance(item.get("template"), str)):
+                raise TokenizerError(
+                    f"{path}: chat_template list items must be {{name, template}} strings, got "
+                    f"{item!r:.60}"
+                )
+            named[item["name"]] = item["template"]
+        if "default" not in named:
+            raise TokenizerError(
+                f"{path}: chat_template has no 'default' template (it has: "
+                f"{', '.join(named) or 'none'})"
+            )
+        return named["default"]
+    raise TokenizerError(
+        f"{path}: chat_template is {type(template).__name__}, expected a str or a list"
+    )
+
+
+# ---------------------------------------------------------------------- the files
+
+
+def _read_json(path: Path, required: bool) -> Any:
+    """Parsed JSON of `path`; None if it does not exist and is not required."""
+    what = f"tokenizer {path}" if path.name == TOKENIZER_JSON else str(path)
+    if not required and not path.exists():
+        return None
+    require_regular_file(path, what, TokenizerError)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise TokenizerError(f"{what}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{what}: not UTF-8 text (byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(
+            f"{what}: not valid JSON: line {e.lineno} column {e.colno}: {e.msg}"
+        ) from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _field(obj: Mapping, key: str, kind: type, src: str, where: str = "") -> Any:
+    value = obj.get(key)
+    if not isinstance(value, kind):
+        raise TokenizerError(
+            f"{src}: {where}{key} is {type(value).__name__}, expected {kind.__name__}"
+        )
+    return value
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as transformers writes it: a str, or {"content": str, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _SideFiles:
+    """The optional JSON files beside tokenizer.json (empty dicts for those absent)."""
+
+    folder: Path
+    config: dict
+    special_map: dict
+    generation: dict
+    model_config: dict
+
+    @property
+    def config_path(self) -> Path:
+        return self.folder / TOKENIZER_CONFIG
+
+    @classmethod
+    def read(cls, folder: Path) -> _SideFiles:
+        return cls(
+            folder,
+            *(_read_json(folder / name, required=False) or {}
+              for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG, MODEL_CONFIG)),
+        )
+
+    def token_id(self, name: str, ids: Mapping[str, int], n: int) -> int | None:
+        """The id of the `{name}_token`, by text from the tokenizer files, else by id."""
+        for file, values in ((TOKENIZER_CONFIG, self.config),
+                             (SPECIAL_TOKENS_MAP, self.special_map)):
+            raw = values.get(f"{name}_token")
+            if raw is None:
+                continue
+            text = _token_text(raw)
+            if text is None:
+                raise TokenizerError(
+                    f"{self.folder / file}: {name}_token is {raw!r:.60}, not a token text"
+                )
+            if text not in ids:
+                raise TokenizerError(
+                    f"{self.folder / file}: {name}_token {text!r} is not a token of "
+                    f"{TOKENIZER_JSON}"
+                )
+            return ids[text]
+        for file, values in ((GENERATION_CONFIG, self.generation),
+                             (MODEL_CONFIG, self.model_config)):
+            found = _ids(values.get(f"{name}_token_id"), self.folder / file, name, n)
+            if found:
+                return found[0]
+        return None
+
+    def eos_ids(self, n: int) -> list[int]:
+        """Every `eos_token_id` of generation_config.json."""
+        return _ids(self.generation.get("eos_token_id"), self.folder / GENERATION_CONFIG, "eos", n)
+
+
+def _ids(value: Any, path: Path, name: str, n: int) -> list[int]:
+    """An `*_token_id` value (None, an int, or a list of ints) as a list of ids in range."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n:
+            raise TokenizerError(
+                f"{path}: {name}_token_id {value!r:.60} is not an id of the {n}-token vocabulary"
+            )
+    return list(values)
+
+
+# ---------------------------------------------------------------------- tokenizer.json
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parsed:
+    """What `read_hf_tokenizer` has read, for the two builders.
+
+    Attributes:
+      data, model: tokenizer.json and its "model" object.
+      tokens: token texts by id (None for an id nothing names).
+      specials: the added tokens.
+      merges: (left, right) pairs in rank order.
+      ids: token text -> its lowest id.
+      bos_id, eos_id, add_bos, stop_ids: as `read_hf_tokenizer` documents them.
+      source: the tokenizer.json path.
+    """
+
+    data: dict
+    model: dict
+    tokens: list[str | None]
+    specials: list[_Added]
+    merges: list[tuple[str, str]]
+    ids: dict[str, int]
+    bos_id: int
+    eos_id: int
+    add_bos: bool
+    stop_ids: frozenset[int]
+    source: str
+
+
+def _first_ids(tokens: Sequence[str | None]) -> dict[str, int]:
+    """Token text -> the lowest id with that text."""
+    ids: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        if text is not None:
+            ids.setdefault(text, i)
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class _Added:
+    """An added token: its text, id, and whether it is special (a control token)."""
+
+    text: str
+    id: int
+    special: bool
+
+
+def _vocabulary(
+    model: Mapping, added: Sequence, src: str
+) -> tuple[list[str | None], list[_Added]]:
+    """Token texts by id (None for ids neither the vocabulary nor an added token names), and
+    the added tokens."""
+    vocab = _field(model, "vocab", dict, src, "model.")
+    if not vocab:
+        raise TokenizerError(f"{src}: model.vocab is empty")
+    by_id: dict[int, str] = {}
+    for text, i in vocab.items():
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise TokenizerError(f"{src}: model.vocab[{text!r:.40}] is {i!r}, not a token id")
+        if i in by_id:
+            raise TokenizerError(
+                f"{src}: model.vocab gives id {i} to both {by_id[i]!r:.40} and {text!r:.40}"
+            )
+        by_id[i] = text
+    if not isinstance(added, list):
+        raise TokenizerError(f"{src}: added_tokens is {type(added).__name__}, expected a list")
+    extra = []
+    for k, item in enumerate(added):
+        if not (isinstance(item, dict) and isinstance(item.get("content"), str)
+                and isinstance(item.get("id"), int) and item["id"] >= 0):
+            raise TokenizerError(
+                f"{src}: added_tokens[{k}] is not an {{id, content}} object: {item!r:.60}"
+            )
+        for flag in ("lstrip", "rstrip", "single_word"):
+            if item.get(flag):
+                raise TokenizerError(
+                    f"{src}: added token {item['content']!r} has {flag}=true, which jllama does "
+                    "not support"
+                )
+        extra.append(_Added(item["content"], item["id"], bool(item.get("special"))))
+        by_id[item["id"]] = item["content"]
+    tokens: list[str | None] = [None] * (max(by_id) + 1)
+    for i, text in by_id.items():
+        tokens[i] = text
+    return tokens, extra
+
+
+def _merges(model: Mapping, src: str) -> list[tuple[str, str]]:
+    merges = model.get("merges", [])
+    if not isinstance(merges, list):
+        raise TokenizerError(f"{src}: model.merges is {type(merges).__name__}, expected a list")
+    out = []
+    for rank, merge in enumerate(merges):
+        if isinstance(merge, str):
+            pair = merge.split(" ")
+        elif isinstance(merge, list):
+            pair = merge
+        else:
+            pair = None
+        if not pair or len(pair) != 2 or not all(isinstance(p, str) and p for p in pair):
+            raise TokenizerError(f"{src}: model.merges[{rank}] {merge!r:.60} is not two tokens")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def _post_processor_first_token(node: Any, ids: Mapping[str, int], src: str) -> int | None:
+    """The id of the special token a TemplateProcessing puts before a single sequence, if any
+    (searched inside a Sequence of processors)."""
+    if not isinstance(node, dict):
+        return None
+    if node.get("type") == "Sequence":
+        for child in node.get("processors") or []:
+            found = _post_processor_first_token(child, ids, src)
+            if found is not None:
+                return found
+        return None
+    if node.get("type") != "TemplateProcessing":
+        return None
+    single = node.get("single") or []
+    head = single[0] if single and isinstance(single[0], dict) else {}
+    special = head.get("SpecialToken")
+    if not isinstance(special, dict):
+        return None
+    name = special.get("id")
+    table = node.get("special_tokens")
+    entry = table.get(name) if isinstance(table, dict) else None
+    token_ids = entry.get("ids") if isinstance(entry, dict) else None
+    if isinstance(token_ids, list) and len(token_ids) == 1 and isinstance(token_ids[0], int):
+        return token_ids[0]
+    if name in ids:
+        return ids[name]
+    raise TokenizerError(f"{src}: post_processor adds {name!r:.40}, which is not a token")
+
+
+def _describe(node: Any) -> str:
+    """A short description of a normalizer/pre-tokenizer node, for messages."""
+    if node is None:
+        return "none"
+    if not isinstance(node, dict):
+        return repr(node)[:60]
+    kind = node.get("type", "?")
+    if kind == "Sequence":
+        children = node.get("pretokenizers") or node.get("normalizers") or []
+        return f"Sequence[{', '.join(_describe(c) for c in children)}]"
+    if kind == "Split":
+        pattern = node.get("pattern") or {}
+        text = pattern.get("Regex", pattern.get("String"))
+        return f"Split({text!r:.50}, {node.get('behavior')})"
+    if kind == "ByteLevel":
+        return (f"ByteLevel(add_prefix_space={node.get('add_prefix_space', True)}, "
+                f"use_regex={node.get('use_regex', True)})")
+    if kind == "Digits":
+        return f"Digits(individual_digits={node.get('individual_digits')})"
+    if kind == "Metaspace":
+        return f"Metaspace(prepend_scheme={node.get('prepend_scheme')}, split={node.get('split')})"
+    return str(kind)
+
+
+def _byte_level_part(node: Any) -> bool | None:
+    """use_regex of a ByteLevel pre-tokenizer without a prefix space, else None."""
+    if (isinstance(node, dict) and node.get("type") == "ByteLevel"
+            and node.get("add_prefix_space", True) is False):
+        return bool(node.get("use_regex", True))
+    return None
+
+
+def _recognise_pre(node: Any, src: str) -> tuple[str, str | None]:
+    """(jllama pre-tokenizer name, the file's own regex for it or None)."""
+    parts = node.get("pretokenizers") if isinstance(node, dict) else None
+    if isinstance(node, dict) and node.get("type") == "Sequence" and isinstance(parts, list):
+        if len(parts) == 1:
+            parts = [None, parts[0]]
+    else:
+        parts = [None, node]
+    if len(parts) == 2:
+        head, tail = parts
+        use_regex = _byte_level_part(tail)
+        if head is None and use_regex is True:
+            return "gpt2", None
+        if (isinstance(head, dict) and head.get("type") == "Digits"
+                and head.get("individual_digits") is True and use_regex is True):
+            return "smollm", None
+        if (isinstance(head, dict) and head.get("type") == "Split" and use_regex is False
+                and head.get("behavior") == "Isolated" and not head.get("invert")):
+            pattern = (head.get("pattern") or {}).get("Regex")
+            if pattern == LLAMA3_PATTERN:
+                return "llama-bpe", pattern
+            if (pattern,) == PRE_TOKENIZERS["llama-bpe"].patterns:  # llama.cpp's spelling
+                return "llama-bpe", None
+    raise TokenizerError(
+        f"{src}: pre_tokenizer {_describe(node)} is not one jllama knows (known: "
+        f"{'; '.join(BYTE_LEVEL_PRE_TOKENIZERS.values())})"
+    )
+
+
+def _byte_level(p: _Parsed) -> ByteLevelBPE:
+    """A byte-level tokenizer.json as a `ByteLevelBPE` (see the module doc)."""
+    normalizer = p.data.get("normalizer")
+    if normalizer is not None:
+        raise TokenizerError(
+            f"{p.source}: normalizer {_describe(normalizer)}; a byte-level BPE tokenizer.json "
+            "with a normalizer is not supported"
+        )
+    pre, pattern = _recognise_pre(p.data.get("pre_tokenizer"), p.source)
+    types = [NORMAL if t is not None else UNUSED for t in p.tokens]
+    for token in p.specials:
+        types[token.id] = CONTROL if token.special else USER_DEFINED
+    tokenizer = ByteLevelBPE(
+        tokens=tuple(t if t is not None else "" for t in p.tokens),
+        token_types=tuple(types),
+        merges=tuple(f"{a} {b}" for a, b in p.merges),
+        pre=pre,
+        bos_id=p.bos_id,
+        eos_id=p.eos_id,
+        eot_id=p.ids.get("<|eot_id|>"),
+        eom_id=p.ids.get("<|eom_id|>"),
+        add_bos=p.add_bos,
+        source=p.source,
+    )
+    _follow_file(tokenizer, pattern, bool(p.model.get("ignore_merges", False)), p.stop_ids)
+    return tokenizer
+
+
+def _follow_file(
+    tokenizer: ByteLevelBPE, pattern: str | None, ignore_merges: bool, stop: frozenset[int]
+) -> None:
+    """Make a `ByteLevelBPE` follow what tokenizer.json states where its `pre` name implies
+    otherwise.
+
+    `ByteLevelBPE` takes its regexes and ignore_merges from llama.cpp's table for its `pre`
+    name, and its stop ids from EOS/EOT/EOM only. A tokenizer.json states them itself:
+    Llama 3's regex there is Meta's `(?i:'s|...)`, which (unlike llama.cpp's spelled-out
+    `'[sS]`) also takes "'ſ" as a contraction; its `ignore_merges` may be absent (false) in
+    older Llama 3 files; and generation_config.json may list more stop ids. The fields are set
+    once here, before the tokenizer is used (its pre-token cache is still empty).
+    """
+    set_ = object.__setattr__
+    if pattern is not None:
+        set_(tokenizer, "_patterns", (regex.compile(pattern),))
+    set_(tokenizer, "_ignore_merges", ignore_merges)
+    set_(tokenizer, "stop_ids", frozenset(tokenizer.stop_ids | stop))
+    tokenizer._cache.clear()
+
+
+def _sentencepiece(p: _Parsed) -> Tokenizer:
+    """A SentencePiece-style tokenizer.json as a llama2c `Tokenizer` (see the module doc)."""
+    src = p.source
+    add_space_prefix = _space_prefix(p.data.get("normalizer"), p.data.get("pre_tokenizer"), src)
+    if p.model.get("ignore_merges"):
+        raise TokenizerError(f"{src}: ignore_merges with byte_fallback is not supported")
+    ids = p.ids
+    rank_of: dict[str, int] = {}
+    pairs: set[tuple[str, str]] = set()
+    for rank, (left, right) in enumerate(p.merges):
+        for side in (left, right, left + right):
+            if side not in ids:
+                raise TokenizerError(
+                    f"{src}: model.merges[{rank}] {left + ' ' + right!r:.60} uses {side!r:.30}, "
+                    "which is not a token"
+                )
+        rank_of.setdefault(left + right, rank)
+        pairs.add((left, right))
+    # run.c's merge joins any two adjacent tokens whose concatenation is a token; HF's BPE only
+    # the listed pairs. They agree when every cut of a merged token is listed.
+    for merged in rank_of:
+        for cut in range(1, len(merged)):
+            left, right = merged[:cut], merged[cut:]
+            if left in ids and right in ids and (left, right) not in pairs:
+                raise TokenizerError(
+                    f"{src}: {merged!r:.30} is both {left!r:.20} + {right!r:.20} and a merge "
+                    "result, but that pair is not among the merges; jllama's SentencePiece "
+                    "tokenizer could not reproduce these merges exactly"
+                )
+    added = {t.id for t in p.specials}
+    pieces, scores = [], []
+    for i, text in enumerate(p.tokens):
+        if text is None:
+            pieces.append(b"")
+        elif i in added:
+            pieces.append(text.encode("utf-8"))
+        else:
+            pieces.append(text.replace(_SPACE_MARK, " ").encode("utf-8"))
+        rank = rank_of.get(text) if text is not None and i not in added else None
+        scores.append(_NO_MERGE_SCORE if rank is None else -float(rank))
+    hidden = {t.id for t in p.specials if t.special}
+    hidden |= {i for i, t in enumerate(p.tokens) if t is None}
+    return Tokenizer(
+        pieces=tuple(pieces),
+        scores=tuple(scores),
+        max_token_length=max(len(piece) for piece in pieces),
+        source=src,
+        bos_id=p.bos_id,
+        eos_id=p.eos_id,
+        add_bos=p.add_bos,
+        add_space_prefix=add_space_prefix,
+        control_ids=frozenset(hidden),
+        special_tokens=tuple((t.text, t.id, not t.special) for t in p.specials),
+        stop_ids=p.stop_ids,
+        space_mark_is_space=True,
+    )
+
+
+def _is_replace_space(node: Any) -> bool:
+    return (isinstance(node, dict) and node.get("type") == "Replace"
+            and (node.get("pattern") or {}).get("String") == " "
+            and node.get("content") == _SPACE_MARK)
+
+
+def _space_prefix(normalizer: Any, pre_tokenizer: Any, src: str) -> bool:
+    """Whether a SentencePiece-style tokenizer.json adds the "▁" dummy prefix to each text run
+    (True), or never (False); other layouts raise."""
+    if pre_tokenizer is None and isinstance(normalizer, dict):
+        parts = normalizer.get("normalizers") if normalizer.get("type") == "Sequence" else [
+            normalizer]
+        if isinstance(parts, list) and parts and _is_replace_space(parts[-1]):
+            head = parts[:-1]
+            if not head:
+                return False
+            if (len(head) == 1 and head[0].get("type") == "Prepend"
+                    and head[0].get("prepend") == _SPACE_MARK):
+                return True
+    if (normalizer is None and isinstance(pre_tokenizer, dict)
+            and pre_tokenizer.get("type") == "Metaspace"
+            and pre_tokenizer.get("replacement", _SPACE_MARK) == _SPACE_MARK
+            and pre_tokenizer.get("prepend_scheme") == "never"
+            and not pre_tokenizer.get("split", True)):
+        return False
+    raise TokenizerError(
+        f"{src}: a byte-fallback BPE with normalizer {_describe(normalizer)} and pre_tokenizer "
+        f"{_describe(pre_tokenizer)}; jllama reproduces SentencePiece-style files exactly only "
+        "with Sequence[Prepend('▁'), Replace(' ', '▁')] (or Replace alone) and no "
+        "pre-tokenizer, or Metaspace(prepend_scheme=never, split=False)"
+    )
