@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -158,10 +159,20 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
         _refuse_tokenizer(tokenizer, path, "Hugging Face folder")
         h = read_hf(path, seq_len=seq_len, dtype=dtype)
         hf_tokenizer = None
+        template = h.chat_template
         if need_tokenizer:
-            from jllama.tokenizers.hf import read_hf_tokenizer
+            from jllama.tokenizers.hf import read_hf_chat_template, read_hf_tokenizer
 
-            hf_tokenizer = read_hf_tokenizer(path)
+            if not (path / "tokenizer.json").exists() and is_tiktoken_file(path / "tokenizer.model"):
+                # Meta's tiktoken tokenizer.model beside the weights, and no tokenizer.json.
+                from jllama.chat import LLAMA3_CHAT_TEMPLATE
+                from jllama.tokenizers.tiktoken_model import read_tiktoken_model
+
+                hf_tokenizer = read_tiktoken_model(path / "tokenizer.model")
+                template = template or LLAMA3_CHAT_TEMPLATE
+            else:
+                hf_tokenizer = read_hf_tokenizer(path)
+                template = read_hf_chat_template(path) or template
             if hf_tokenizer.vocab_size > h.config.vocab_size:
                 raise TokenizerError(
                     f"{path}: the tokenizer has {hf_tokenizer.vocab_size} tokens but the model's "
@@ -169,7 +180,7 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
                 )
         return Model(
             config=h.config, weights=h.weights, tokenizer=hf_tokenizer,
-            chat_template=getattr(hf_tokenizer, "chat_template", None) or h.chat_template,
+            chat_template=template,
             source=str(path), file_format="hf", context_length=h.context_length,
             tensor_types=dict(h.dtypes),
         )
@@ -239,4 +250,27 @@ def load_tokenizer(
     """
     if tokenizer is None:
         return find_tokenizer(checkpoint, vocab_size)
+    if is_tiktoken_file(tokenizer):
+        from jllama.tokenizers.tiktoken_model import read_tiktoken_model
+
+        found = read_tiktoken_model(tokenizer)
+        if found.vocab_size > vocab_size:
+            raise TokenizerError(
+                f"tokenizer {tokenizer}: holds {found.vocab_size} tokens but the checkpoint's "
+                f"vocab_size is {vocab_size} (the wrong tokenizer for this checkpoint?)"
+            )
+        return found
     return read_tokenizer(tokenizer, vocab_size=vocab_size)
+
+
+def is_tiktoken_file(path: str | os.PathLike) -> bool:
+    """Whether `path` looks like a tiktoken BPE file (Meta's Llama 3 `tokenizer.model`): its
+    first line is `<base64 token> <rank>`. False for llama2.c's binary tokenizer.bin."""
+    try:
+        if not Path(path).is_file():  # opening a FIFO would block
+            return False
+        with open(path, "rb") as f:
+            first = f.readline(200)
+    except OSError:
+        return False
+    return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?\n?", first) is not None

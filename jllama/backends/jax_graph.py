@@ -21,7 +21,12 @@ from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
 from jllama.errors import BackendError
 from jllama.rope import rope_frequencies
-from jllama.weights import TransformerWeights, check_shapes, to_graph_weights, weights_dtype
+from jllama.weights import (
+    TransformerWeights,
+    check_shapes,
+    to_graph_weights,
+    weights_dtype,
+)
 
 
 class JaxGraphBackend:

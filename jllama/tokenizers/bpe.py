@@ -167,6 +167,11 @@ class ByteLevelBPE:
       eom_id: int id of the end-of-message token (Llama 3.1 tool calls), or None.
       add_bos: whether `encode` prepends BOS when its `bos` is None.
       source: where the vocabulary came from (a path), for error messages.
+      pattern: a pre-tokenizer regex that replaces the `pre` name's list (a Hugging Face
+        tokenizer.json states its own, e.g. Meta's `(?i:'s|...)` for Llama 3), or None.
+      ignore_merges: True/False overrides the `pre` name's ignore_merges (whether a whole
+        pre-token found in the vocabulary is emitted without merging); None keeps it.
+      extra_stop_ids: more ids that end a generation (e.g. generation_config.json's).
 
     Derived at construction: `stop_ids` (eos_id, eot_id, eom_id and the tokens whose text is in
     END_OF_GENERATION_TEXTS) and `control_ids` (unknown, control and unused tokens: they print
@@ -190,6 +195,9 @@ class ByteLevelBPE:
     eom_id: int | None = None
     add_bos: bool = False
     source: str = "<memory>"
+    pattern: str | None = None
+    ignore_merges: bool | None = None
+    extra_stop_ids: frozenset[int] = frozenset()
     stop_ids: frozenset[int] = dataclasses.field(init=False)
     control_ids: frozenset[int] = dataclasses.field(init=False)
     _ids: dict[str, int] = dataclasses.field(init=False)
@@ -259,12 +267,16 @@ class ByteLevelBPE:
         set_(self, "token_types", types)
         set_(self, "merges", merges)
         set_(self, "add_bos", bool(self.add_bos))
-        set_(self, "stop_ids", frozenset(stop))
+        set_(self, "stop_ids", frozenset(stop) | frozenset(self.extra_stop_ids))
         set_(self, "control_ids", frozenset(hidden))
         set_(self, "_ids", ids)
         set_(self, "_ranks", ranks)
-        set_(self, "_patterns", _compile(pre.patterns))
-        set_(self, "_ignore_merges", pre.ignore_merges)
+        patterns = pre.patterns if self.pattern is None else (self.pattern,)
+        set_(self, "_patterns", _compile(tuple(patterns)))
+        set_(
+            self, "_ignore_merges",
+            pre.ignore_merges if self.ignore_merges is None else bool(self.ignore_merges),
+        )
         set_(self, "_token_bytes", tuple(token_bytes))
         set_(self, "_specials", tuple(sorted(specials, key=lambda s: (-len(s[0]), s[1]))))
         set_(self, "_cache", {})

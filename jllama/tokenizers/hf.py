@@ -42,8 +42,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import regex
-
 from jllama.errors import TokenizerError
 from jllama.files import require_regular_file
 from jllama.tokenizers.bpe import (
@@ -520,30 +518,16 @@ def _byte_level(p: _Parsed) -> ByteLevelBPE:
         eom_id=p.ids.get("<|eom_id|>"),
         add_bos=p.add_bos,
         source=p.source,
+        # What tokenizer.json states itself, where the `pre` name (llama.cpp's table) would
+        # say otherwise: Llama 3's regex there is Meta's `(?i:'s|...)`, which (unlike
+        # llama.cpp's spelled-out `'[sS]`) also takes "'ſ" as a contraction; `ignore_merges`
+        # may be absent (false) in older Llama 3 files; generation_config.json may list more
+        # stop ids.
+        pattern=pattern,
+        ignore_merges=bool(p.model.get("ignore_merges", False)),
+        extra_stop_ids=frozenset(p.stop_ids),
     )
-    _follow_file(tokenizer, pattern, bool(p.model.get("ignore_merges", False)), p.stop_ids)
     return tokenizer
-
-
-def _follow_file(
-    tokenizer: ByteLevelBPE, pattern: str | None, ignore_merges: bool, stop: frozenset[int]
-) -> None:
-    """Make a `ByteLevelBPE` follow what tokenizer.json states where its `pre` name implies
-    otherwise.
-
-    `ByteLevelBPE` takes its regexes and ignore_merges from llama.cpp's table for its `pre`
-    name, and its stop ids from EOS/EOT/EOM only. A tokenizer.json states them itself:
-    Llama 3's regex there is Meta's `(?i:'s|...)`, which (unlike llama.cpp's spelled-out
-    `'[sS]`) also takes "'ſ" as a contraction; its `ignore_merges` may be absent (false) in
-    older Llama 3 files; and generation_config.json may list more stop ids. The fields are set
-    once here, before the tokenizer is used (its pre-token cache is still empty).
-    """
-    set_ = object.__setattr__
-    if pattern is not None:
-        set_(tokenizer, "_patterns", (regex.compile(pattern),))
-    set_(tokenizer, "_ignore_merges", ignore_merges)
-    set_(tokenizer, "stop_ids", frozenset(tokenizer.stop_ids | stop))
-    tokenizer._cache.clear()
 
 
 def _sentencepiece(p: _Parsed) -> Tokenizer:
