@@ -89,6 +89,13 @@ flags.DEFINE_enum(
     "Type to hold the weight matrices in: auto = as read (float32 for llama2.c and GGUF files, "
     "the stored type for Hugging Face folders); bfloat16 halves the memory.",
 )
+flags.DEFINE_enum(
+    "prefill",
+    "chunked",
+    ["chunked", "token"],
+    "How the prompt goes through the model: chunked = batched chunks of tokens through each "
+    "layer (jax backend); token = one position at a time, as run.c.",
+)
 flags.DEFINE_bool("pieces", False, "tokenize: print each id with its text, one per line.")
 flags.DEFINE_bool(
     "force",
@@ -242,7 +249,8 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     generation = Generation(
-        backend.forward, prompt_ids, sampler, steps, stop_ids=tuple(tokenizer.stop_ids)
+        backend.forward, prompt_ids, sampler, steps, stop_ids=tuple(tokenizer.stop_ids),
+        prefill=_prefill_of(backend),
     )
 
     if FLAGS.output_format == "json":
@@ -290,6 +298,11 @@ def main(argv: list[str]) -> int:
     out.flush()
     print(_rates(generation.stats), file=sys.stderr)
     return 0
+
+
+def _prefill_of(backend):
+    """The backend's batched prefill when --prefill=chunked and it has one, else None."""
+    return getattr(backend, "prefill", None) if FLAGS.prefill == "chunked" else None
 
 
 def _write_raw(out, text: str) -> None:
@@ -399,7 +412,7 @@ def _chat(model, backend, sampler) -> int:
     )
     conversation = Conversation(
         backend.forward, tokenizer, template, model.config.seq_len,
-        system_prompt=FLAGS.system_prompt or None,
+        system_prompt=FLAGS.system_prompt or None, prefill=_prefill_of(backend),
     )
     interactive = sys.stdin.isatty()
     if interactive:

@@ -68,6 +68,8 @@ class Conversation:
       template: a `jllama.chat.ChatTemplate`.
       seq_len: the context the KV cache holds, tokens.
       system_prompt: the first message's content, role "system" (None: the template's default).
+      prefill: optional batched `prefill(tokens, start_pos) -> logits` (a backend's), used for
+        each turn's new tokens.
 
     Attributes:
       messages: the conversation so far, as {"role", "content"} dicts.
@@ -76,8 +78,9 @@ class Conversation:
     """
 
     def __init__(self, forward: Forward, tokenizer, template, seq_len: int,
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, prefill=None):
         self._forward = forward
+        self._prefill = prefill
         self.tokenizer = tokenizer
         self.template = template
         self.seq_len = seq_len
@@ -129,7 +132,7 @@ class Conversation:
         steps = room if max_tokens < 1 else min(room, fed + max_tokens - 1)
         generation = Generation(
             self._forward, ids[reused:], sample, steps,
-            stop_ids=tuple(self.tokenizer.stop_ids), start_pos=reused,
+            stop_ids=tuple(self.tokenizer.stop_ids), start_pos=reused, prefill=self._prefill,
         )
         self.messages = messages
         self.cached_ids = ids[:reused]

@@ -29,6 +29,11 @@ from jllama.weights import (
 )
 
 
+PREFILL_CHUNKS = (64, 8)
+"""Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
+chunks of these sizes and the fewer-than-8 tokens left go through the decode programs."""
+
+
 class JaxGraphBackend:
     """Graph-compiled backend over per-layer device arrays and per-layer head-major caches.
 
@@ -84,6 +89,61 @@ class JaxGraphBackend:
         # position 0 is rewritten by the first real step and later positions are masked.
         self.forward(0, 0)
         self.compile_seconds = time.perf_counter() - start
+
+    def prefill(self, tokens, start_pos: int) -> np.ndarray:
+        """Feed `tokens` at positions start_pos, start_pos+1, ... and return the logits
+        f32[vocab_size] after the last one (what `forward` of the last token returns, up to
+        float rounding: the sums run in another order).
+
+        Chunks of `PREFILL_CHUNKS` tokens go through each layer as matrix-matrix products
+        (`jllama.graphs.prefill`), reading each weight once per chunk instead of once per token;
+        the remaining tokens go through `forward`.
+
+        Raises:
+          ValueError: no tokens, or positions beyond seq_len (as `forward`).
+        """
+        config = self.config
+        if config is None:
+            raise RuntimeError("JaxGraphBackend.prefill called before prepare")
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        check_token_pos(config, tokens[0], start_pos)
+        check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)
+        for t in tokens:
+            check_token_pos(config, t, start_pos)
+        i, pos, x = 0, start_pos, None
+        while len(tokens) - i >= PREFILL_CHUNKS[-1]:
+            size = next(n for n in PREFILL_CHUNKS if len(tokens) - i >= n)
+            x = self._prefill_chunk(tokens[i:i + size], pos)
+            i += size
+            pos += size
+        if i == len(tokens):
+            logits = graphs.classifier_last(config, x, self.rms_final_weight, self.wcls)
+            return np.asarray(logits)
+        for token in tokens[i:]:
+            logits = self.forward(token, pos)
+            pos += 1
+        return logits
+
+    def _prefill_chunk(self, chunk: list[int], pos: int) -> jax.Array:
+        config = self.config
+        rows = self.token_embedding_table[np.asarray(chunk)].astype(np.float32)
+        x = jax.device_put(rows, self.device)
+        pos_arr = jax.device_put(np.int32(pos), self.device)
+        window = graphs.attention_window(config.seq_len, pos + len(chunk) - 1)
+        for l, layer in enumerate(self.layers):
+            q, self.key_cache[l], self.value_cache[l] = graphs.qkv_chunk(
+                config, x, layer.rms_att_weight, layer.wqkv, self.key_cache[l],
+                self.value_cache[l], pos_arr, self.inv_freq,
+            )
+            att = graphs.attention_chunk(
+                config, q, self.key_cache[l], self.value_cache[l], pos_arr, window=window
+            )
+            x = graphs.block_chunk(
+                config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
+            )
+        return x
 
     def forward(self, token: int, pos: int) -> np.ndarray:
         """Logits f32[vocab_size] for `token` at `pos` (see `jllama.backends.base.Backend`)."""

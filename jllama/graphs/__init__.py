@@ -10,13 +10,31 @@ slice layer-stacked weights: XLA CPU would copy the slice before the dot.
              window length bucket)
   block      wo + residual + FFN RMSNorm + SwiGLU + residual
   classifier final RMSNorm + wcls
+
+and for batched prefill (`prefill.py`), the same three layer programs over a chunk of tokens:
+`qkv_chunk`, `attention_chunk`, `block_chunk`, and `classifier_last` (the last token's logits).
 """
 
 from jllama.graphs.attention import attention, attention_window
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
+from jllama.graphs.prefill import attention_chunk, block_chunk, classifier_last, qkv_chunk
 from jllama.graphs.qkv import qkv
 
 PROGRAMS = ("qkv", "attention", "block", "classifier")
 
-__all__ = ["PROGRAMS", "attention", "attention_window", "block", "classifier", "qkv"]
+PREFILL_PROGRAMS = ("qkv_chunk", "attention_chunk", "block_chunk", "classifier_last")
+
+__all__ = [
+    "PREFILL_PROGRAMS",
+    "PROGRAMS",
+    "attention",
+    "attention_chunk",
+    "attention_window",
+    "block",
+    "block_chunk",
+    "classifier",
+    "classifier_last",
+    "qkv",
+    "qkv_chunk",
+]

@@ -1,0 +1,171 @@
+"""Compiled programs of batched prefill: a chunk of T prompt tokens through one layer at once.
+
+The decode programs (`qkv`, `attention`, `block`) move one token through a layer with
+matrix-vector products, reading every weight once per token. Prefill knows all the prompt's
+tokens in advance, so a chunk of T tokens goes through each layer as matrix-matrix products:
+each weight is read once per chunk instead of once per token. The three programs mirror the
+decode ones, with a leading token axis:
+
+  qkv_chunk        RMSNorm + QKV product + RoPE at positions pos..pos+T-1 + the cache write of
+                   all T keys and values (caches donated)
+  attention_chunk  causal attention: token t sees cache positions <= pos + t, within a window
+  block_chunk      wo + residual + FFN RMSNorm + SwiGLU + residual
+
+T is a static shape: the backend cuts a prompt into chunks of a few fixed sizes
+(`jllama.backends.jax_graph.PREFILL_CHUNKS`), so a few compiled shapes serve every prompt
+length; tokens left over go through the decode programs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jllama.config import ModelConfig
+from jllama.graphs.ops import PRECISION
+
+
+def _rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x: f32[T, in], w: [out, in] (f32 or bf16, widened) -> f32[T, out]: each row times w."""
+    if w.dtype != jnp.float32:
+        w = w.astype(jnp.float32)
+    return jnp.einsum("ti,oi->to", x, w, precision=PRECISION)
+
+
+def _rmsnorm_rows(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of each row of x: f32[T, n] (as `jllama.graphs.ops.rmsnorm`, per token)."""
+    ms = jnp.einsum("tn,tn->t", x, x, precision=PRECISION)[:, None] / x.shape[-1] + eps
+    return weight * (x * jax.lax.rsqrt(ms))
+
+
+def _rope_rows(heads: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """heads: f32[T, n, head_dim], positions: int32[T] -> the adjacent pairs (2i, 2i+1) of each
+    head of token t rotated by positions[t] * inv_freq[i] (run.c's RoPE)."""
+    t, n, head_dim = heads.shape
+    pairs = heads.reshape(t, n, head_dim // 2, 2)
+    angle = (positions.astype(jnp.float32)[:, None] * inv_freq)[:, None, :]  # [T, 1, hd/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    v0, v1 = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], axis=-1)
+    return rotated.reshape(t, n, head_dim)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_cache", "value_cache"))
+def qkv_chunk(
+    config: ModelConfig,
+    x: jax.Array,
+    rms_att_weight: jax.Array,
+    wqkv: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    pos: jax.Array,
+    inv_freq: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`jllama.graphs.qkv` for T tokens at positions pos .. pos+T-1.
+
+    Args:
+      config: static.
+      x: f32[T, dim], the residual streams of the chunk's tokens.
+      rms_att_weight: f32[dim]; wqkv: [q_dim + 2 * kv_dim, dim] (f32 or bf16).
+      key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim]; donated, updated in place.
+      pos: int32 scalar, the first token's position; pos + T <= seq_len (the caller's
+        promise: `dynamic_update_slice` would clamp a block that overhangs the cache).
+      inv_freq: f32[head_dim // 2].
+
+    Returns:
+      (q: f32[T, n_heads, head_dim] after RoPE, key_cache, value_cache with positions
+      pos .. pos+T-1 written).
+    """
+    c = config
+    t = x.shape[0]
+    with jax.named_scope("qkv_chunk"):
+        out = _rows_matmul(_rmsnorm_rows(x, rms_att_weight, c.norm_eps), wqkv)
+        q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
+        q = out[:, :q_end].reshape(t, c.n_heads, c.head_dim)
+        k = out[:, q_end:k_end].reshape(t, c.n_kv_heads, c.head_dim)
+        v = out[:, k_end:].reshape(t, c.n_kv_heads, c.head_dim)
+    with jax.named_scope("rope"):
+        positions = pos + jnp.arange(t, dtype=jnp.int32)
+        q = _rope_rows(q, positions, inv_freq)
+        k = _rope_rows(k, positions, inv_freq)
+    with jax.named_scope("cache_write"):
+        zero = jnp.zeros((), jnp.int32)
+        key_cache = jax.lax.dynamic_update_slice(
+            key_cache, k.transpose(1, 0, 2), (zero, pos, zero)
+        )
+        value_cache = jax.lax.dynamic_update_slice(
+            value_cache, v.transpose(1, 0, 2), (zero, pos, zero)
+        )
+    return q, key_cache, value_cache
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("window",))
+def attention_chunk(
+    config: ModelConfig,
+    q: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    pos: jax.Array,
+    window: int,
+) -> jax.Array:
+    """Causal attention of T tokens at positions pos .. pos+T-1 (`jllama.graphs.attention` per
+    token): token t's query head h attends over key head h // kv_mul at cache positions
+    s <= pos + t, s < window.
+
+    Args:
+      config: static.
+      q: f32[T, n_heads, head_dim] after RoPE.
+      key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim], holding the chunk's keys and
+        values already (read only).
+      pos: int32 scalar; pos + T <= window.
+      window: static, the cache positions read (`attention_window` of the chunk's last position).
+
+    Returns:
+      att: f32[T, q_dim].
+    """
+    c = config
+    t = q.shape[0]
+    with jax.named_scope("attention_chunk"):
+        keys = key_cache[:, :window]
+        values = value_cache[:, :window]
+        qg = q.reshape(t, c.n_kv_heads, c.kv_mul, c.head_dim)
+        scores = jnp.einsum("tgmd,gsd->gmts", qg, keys, precision=PRECISION)
+        scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
+        query_pos = pos + jnp.arange(t, dtype=jnp.int32)
+        visible = jnp.arange(window)[None, :] <= query_pos[:, None]  # [T, window]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        weights = jax.nn.softmax(scores, axis=-1)
+        att = jnp.einsum("gmts,gsd->tgmd", weights, values, precision=PRECISION)
+    return att.reshape(t, c.q_dim)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def block_chunk(
+    config: ModelConfig,
+    x: jax.Array,
+    att: jax.Array,
+    wo: jax.Array,
+    rms_ffn_weight: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+) -> jax.Array:
+    """`jllama.graphs.block` for T tokens: x: f32[T, dim], att: f32[T, q_dim] -> f32[T, dim]."""
+    with jax.named_scope("wo_chunk"):
+        x = x + _rows_matmul(att, wo)
+    with jax.named_scope("ffn_chunk"):
+        h = _rmsnorm_rows(x, rms_ffn_weight, config.norm_eps)
+        return x + _rows_matmul(jax.nn.silu(_rows_matmul(h, w1)) * _rows_matmul(h, w3), w2)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def classifier_last(
+    config: ModelConfig, x: jax.Array, rms_final_weight: jax.Array, wcls: jax.Array
+) -> jax.Array:
+    """`jllama.graphs.classifier` of the chunk's last token only: x: f32[T, dim] ->
+    logits f32[vocab_size] (the prompt's other tokens need no logits)."""
+    from jllama.graphs.classifier import classifier
+
+    return classifier.__wrapped__(config, x[-1], rms_final_weight, wcls)

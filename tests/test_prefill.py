@@ -1,0 +1,107 @@
+"""Batched prefill (the jax backend's `prefill`): the same logits as feeding the prompt token
+by token, the same tokens in generation, and a fixed set of compiled shapes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jllama.backends import make_backend
+from jllama.backends.jax_graph import PREFILL_CHUNKS
+from jllama.config import ModelConfig
+from jllama.generate import Generation
+from jllama.sampling import Sampler
+from jllama.weights import random_weights
+
+GQA = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=300,
+                  seq_len=600, shared_weights=False)
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return GQA, random_weights(GQA, seed=4, scale=0.1)
+
+
+def _fresh(config, weights, name="jax"):
+    b = make_backend(name)
+    b.prepare(config, weights)
+    return b
+
+
+@pytest.mark.parametrize("start", [0, 5, 250])
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 63, 64, 65, 77, 200])
+def test_prefill_logits_equal_token_by_token(gqa, n, start):
+    config, weights = gqa
+    tokens = [int(t) for t in np.random.default_rng(n).integers(0, config.vocab_size, start + n)]
+    batched, stepped = _fresh(config, weights), _fresh(config, weights, "numpy")
+    for pos in range(start):  # a conversation's earlier turns, already in the cache
+        batched.forward(tokens[pos], pos)
+        stepped.forward(tokens[pos], pos)
+    got = batched.prefill(tokens[start:], start)
+    for pos in range(start, start + n):
+        want = stepped.forward(tokens[pos], pos)
+    assert np.abs(got - want).max() <= 1e-4
+    # The cache holds the same keys and values: the next decode step agrees too.
+    after = start + n
+    assert np.abs(batched.forward(3, after) - stepped.forward(3, after)).max() <= 1e-4
+
+
+def test_generation_with_prefill_gives_run_c_story(stories260k):
+    from test_cli import STORY
+
+    config, weights = stories260k
+    from jllama.loading import open_model
+
+    tok = open_model().tokenizer
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily.")
+    runs = []
+    for use_prefill in (True, False):
+        b = _fresh(config, weights)
+        gen = Generation(b.forward, prompt, Sampler(0.0), steps=200,
+                         prefill=b.prefill if use_prefill else None)
+        tokens = [t for t in gen]
+        runs.append(([t.id for t in tokens], [t.sampled for t in tokens], gen.end_pos))
+    assert runs[0] == runs[1]
+    # And the text is run.c's greedy story (which starts with this very sentence).
+    b = _fresh(config, weights)
+    gen = Generation(b.forward, prompt, Sampler(0.0), steps=200, prefill=b.prefill)
+    text = "Once upon a time, there was a little girl named Lily." + tok.decode(
+        [t.id for t in gen if t.sampled], prev=prompt[-1]
+    )
+    assert STORY.startswith(text) and len(text) > 300
+
+
+def test_prefill_compiles_only_the_fixed_chunk_shapes(gqa):
+    config, weights = gqa
+    b = _fresh(config, weights)
+    jax.clear_caches()
+    b = _fresh(config, weights)
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        tokens = list(range(1, 250))
+        for n in range(1, 250, 7):  # many prompt lengths, all within the 256 window
+            b.prefill(tokens[:n], 0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    # One compile per chunk size for each chunk program, nothing per prompt length.
+    for program in ("qkv_chunk", "attention_chunk", "block_chunk", "classifier_last"):
+        assert compiled.count(f"jit({program})") == len(PREFILL_CHUNKS), compiled
+    assert len(compiled) == 4 * len(PREFILL_CHUNKS), compiled
+
+
+def test_prefill_rejects_what_forward_rejects(gqa):
+    config, weights = gqa
+    b = _fresh(config, weights)
+    with pytest.raises(ValueError, match="at least one token"):
+        b.prefill([], 0)
+    with pytest.raises(ValueError, match="out of range"):
+        b.prefill([1] * 10, config.seq_len - 5)
+    with pytest.raises(ValueError, match="token 300"):
+        b.prefill([1, 300, 2], 0)
