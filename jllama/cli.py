@@ -18,12 +18,12 @@ from jllama import runtime
 from jllama.backends import backend_names, make_backend
 from jllama.chat import ChatTemplate
 from jllama.conversation import ContextFullError, Conversation
-from jllama.errors import JllamaError
+from jllama.errors import ChatError, JllamaError
 from jllama.fetch import KNOWN_MODELS, fetch
 from jllama.files import require_regular_file
 from jllama.generate import Generation, GenerationStats, resolve_steps
 from jllama.loading import open_model, required_memory
-from jllama.sampling import Sampler
+from jllama.sampling import Sampler, restrict_to_vocabulary
 from jllama.weights import tensor_stats
 
 FLAGS = flags.FLAGS
@@ -230,6 +230,9 @@ def main(argv: list[str]) -> int:
             )
     sampler = Sampler(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or None)
     seed = sampler.config.seed
+    if tokenizer.vocab_size < config.vocab_size:
+        # A padded vocabulary (more model rows than tokens): ids with no token are never drawn.
+        sampler = restrict_to_vocabulary(sampler, tokenizer.vocab_size)
     if FLAGS.temperature > 0 and not FLAGS.seed:
         print(f"jllama: seed {seed} (repeat with --seed={seed})", file=sys.stderr)
 
@@ -355,6 +358,7 @@ def _convert() -> int:
         report = convert(
             FLAGS.checkpoint, FLAGS.output, version=int(FLAGS.llama2c_version),
             group_size=FLAGS.group_size, force=FLAGS.force,
+            exact_group_size=FLAGS["group_size"].present,
         )
     except JllamaError as e:
         raise type(e)(str(e).replace("force=True", "--force")) from None
@@ -405,11 +409,14 @@ def _read_message(interactive: bool) -> str | None:
 
 def _chat(model, backend, sampler) -> int:
     tokenizer = model.tokenizer
-    template = ChatTemplate(
-        model.chat_template,
-        bos_token=tokenizer.decode([tokenizer.bos_id], special=True),
-        eos_token=tokenizer.decode([tokenizer.eos_id], special=True),
-    )
+    try:
+        template = ChatTemplate(
+            model.chat_template,
+            bos_token=tokenizer.decode([tokenizer.bos_id], special=True),
+            eos_token=tokenizer.decode([tokenizer.eos_id], special=True),
+        )
+    except ChatError as e:
+        raise ChatError(f"{model.source}: {e}") from None
     conversation = Conversation(
         backend.forward, tokenizer, template, model.config.seq_len,
         system_prompt=FLAGS.system_prompt or None, prefill=_prefill_of(backend),
@@ -435,6 +442,8 @@ def _chat(model, backend, sampler) -> int:
             for token in conversation.say(text, sampler, max_tokens=FLAGS.steps):
                 out.write(decoder.push(token.prev, token.id))
                 out.flush()
+        except ChatError as e:
+            raise ChatError(f"{model.source}: {e}") from None
         except ContextFullError as e:
             if conversation.last is None:  # nothing could be answered: the settings are wrong
                 raise JllamaError(f"{e}: give a larger --seq_len") from None

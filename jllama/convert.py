@@ -16,7 +16,13 @@ import os
 from pathlib import Path
 
 from jllama.config import ModelConfig
-from jllama.formats.llama2c import DEFAULT_GROUP_SIZE, check_version, write_checkpoint
+from jllama.errors import ConfigError
+from jllama.formats.llama2c import (
+    DEFAULT_GROUP_SIZE,
+    check_version,
+    fit_group_size,
+    write_checkpoint,
+)
 from jllama.loading import open_model
 
 
@@ -48,12 +54,25 @@ class ConvertReport:
     quantization_errors: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
+def _refuse_overwriting_source(source: Path, dst: Path) -> None:
+    """A conversion must not replace or damage what it reads: refuse `dst` when it is the
+    source file, or lies inside the source folder (a Hugging Face folder's own files)."""
+    target = dst.resolve()
+    source = source.resolve()
+    if target == source or (source.is_dir() and source in target.parents):
+        raise ConfigError(
+            f"--output={dst} would overwrite the checkpoint being converted ({source}); "
+            "write somewhere else"
+        )
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     version: int = 1,
     group_size: int = DEFAULT_GROUP_SIZE,
     force: bool = False,
+    exact_group_size: bool = False,
 ) -> ConvertReport:
     """Read the checkpoint `src` and write it to `dst` as a llama2.c checkpoint.
 
@@ -66,6 +85,8 @@ def convert(
       force: write even if the source's norm_eps, rope_theta or rope_scaling differ from the
         1e-5, 10000 and plain RoPE that llama2.c's readers assume; the file then describes a
         different model (see `write_checkpoint`).
+      exact_group_size: refuse a group_size that would have to be reduced to fit the model
+        (and any group_size for versions other than 2) instead of adjusting it.
 
     Returns:
       a `ConvertReport`.
@@ -79,6 +100,16 @@ def convert(
     """
     check_version(version)  # before reading a model that could not be written
     model = open_model(src, need_tokenizer=False)
+    _refuse_overwriting_source(Path(model.source), Path(dst))
+    if exact_group_size:
+        if version != 2:
+            raise ConfigError(f"group_size={group_size} is for version 2 files only")
+        fitted = fit_group_size(model.config, group_size)
+        if fitted != group_size:
+            raise ConfigError(
+                f"group_size={group_size} does not divide dim={model.config.dim} and "
+                f"hidden_dim={model.config.hidden_dim} (e.g. {fitted} does)"
+            )
     written = write_checkpoint(
         dst, model.config, model.weights, version=version, group_size=group_size, force=force
     )

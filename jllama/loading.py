@@ -153,6 +153,13 @@ def _refuse_tokenizer(tokenizer, path, kind: str) -> None:
 
 
 def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> Model:
+    if path.is_file() and (
+        path.suffix == ".safetensors"
+        or (path.suffix == ".json" and (path.parent / "config.json").is_file())
+    ):
+        raise CheckpointError(
+            f"{path} is a file of a Hugging Face model folder: pass the folder {path.parent}"
+        )
     if path.is_dir():
         from jllama.formats.hf import read_hf
 
@@ -250,17 +257,49 @@ def load_tokenizer(
     """
     if tokenizer is None:
         return find_tokenizer(checkpoint, vocab_size)
+    head = _head(tokenizer)
+    if head.lstrip()[:1] == b"{":  # a Hugging Face tokenizer.json (with its folder's configs)
+        from jllama.tokenizers.hf import read_hf_tokenizer
+
+        if Path(tokenizer).name != "tokenizer.json":
+            raise TokenizerError(
+                f"tokenizer {tokenizer}: a JSON tokenizer must be named tokenizer.json, in its "
+                "model folder beside tokenizer_config.json"
+            )
+        found = read_hf_tokenizer(Path(tokenizer).parent)
+        _check_fits(found, tokenizer, vocab_size)
+        return found
+    if head[:1] == b"\x0a" and b"\x00" in head[:64]:  # protobuf: a SentencePiece .model
+        raise TokenizerError(
+            f"tokenizer {tokenizer}: is a SentencePiece model, which jllama does not read; pass "
+            "a llama2.c tokenizer.bin, Meta's tiktoken tokenizer.model, or a tokenizer.json"
+        )
     if is_tiktoken_file(tokenizer):
         from jllama.tokenizers.tiktoken_model import read_tiktoken_model
 
         found = read_tiktoken_model(tokenizer)
-        if found.vocab_size > vocab_size:
-            raise TokenizerError(
-                f"tokenizer {tokenizer}: holds {found.vocab_size} tokens but the checkpoint's "
-                f"vocab_size is {vocab_size} (the wrong tokenizer for this checkpoint?)"
-            )
+        _check_fits(found, tokenizer, vocab_size)
         return found
     return read_tokenizer(tokenizer, vocab_size=vocab_size)
+
+
+def _head(path: str | os.PathLike, n: int = 4096) -> bytes:
+    try:
+        if not Path(path).is_file():  # opening a FIFO would block; the readers name the error
+            return b""
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""
+
+
+def _check_fits(found, path, vocab_size: int) -> None:
+    """A tokenizer may have fewer tokens than the model (a padded vocabulary), never more."""
+    if found.vocab_size > vocab_size:
+        raise TokenizerError(
+            f"tokenizer {path}: holds {found.vocab_size} tokens but the checkpoint's "
+            f"vocab_size is {vocab_size} (the wrong tokenizer for this checkpoint?)"
+        )
 
 
 def is_tiktoken_file(path: str | os.PathLike) -> bool:

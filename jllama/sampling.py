@@ -33,6 +33,7 @@ import dataclasses
 import math
 import operator
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -389,3 +390,21 @@ class Sampler:
     def __repr__(self) -> str:
         c = self.config
         return f"Sampler(temperature={c.temperature!r}, top_p={c.top_p!r}, seed={c.seed!r})"
+
+
+def restrict_to_vocabulary(
+    sample: Callable[[np.ndarray], int], n: int
+) -> Callable[[np.ndarray], int]:
+    """`sample` over the first `n` logits only: for a model whose vocab_size is padded past its
+    tokenizer's `n` tokens (common in Hugging Face models), so that an id with no token is never
+    drawn. The ids returned are unchanged (they index the full logits).
+
+    Args:
+      sample: `sample(logits f32[vocab_size]) -> token id`, e.g. a `Sampler`.
+      n: the tokenizer's vocab_size, tokens.
+    """
+
+    def restricted(logits: np.ndarray) -> int:
+        return sample(logits[:n])
+
+    return restricted

@@ -101,3 +101,55 @@ def test_meta_tiktoken_tokenizer_model_beside_the_weights(folder, tiktoken_file,
         )
     assert via_meta.tokenizer.stop_ids >= {VOCAB - 256 + 1, VOCAB - 256 + 9}  # end_of_text, eot
     assert np.array_equal(via_meta.weights.wq, via_hf.weights.wq)
+
+
+PLAIN = Spec("llama2c-able-llama3-vocab", {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB + 64,  # padded
+    "max_position_embeddings": 128, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5,
+}, seed=22)
+
+
+@pytest.fixture(scope="module")
+def padded(llama3, tmp_path_factory):  # noqa: F811
+    """A folder whose model has 64 more vocabulary rows than its tokenizer has tokens."""
+    path = tmp_path_factory.mktemp("padded")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(llama3[0] / name, path / name)
+    save(build(PLAIN), PLAIN, path)
+    return path
+
+
+def test_padded_vocabulary_never_samples_an_id_without_a_token(padded):
+    import json as json_module
+
+    from test_cli import run
+
+    for extra in ([], ["--mode=chat"]):
+        result = run(f"--checkpoint={padded}", "--prompt=Hello world", "--temperature=1.5",
+                     "--top_p=1", "--seed=3", "--steps=40", *extra,
+                     *(["--output_format=json"] if not extra else []))
+        assert result.returncode == 0, result.stderr
+        if not extra:
+            ids = json_module.loads(result.stdout)["generated_ids"]
+            assert ids and max(ids) < VOCAB
+
+
+def test_converted_model_runs_with_its_tokenizer_json(padded, tmp_path):
+    from test_cli import run
+
+    out = tmp_path / "m.bin"
+    result = run("convert", f"--checkpoint={padded}", f"--output={out}")
+    assert result.returncode == 0, result.stderr
+    runs = [
+        run(f"--checkpoint={ckpt}", *tok, "--prompt=Hello world", "--temperature=0",
+            "--steps=24", "--output_format=json")
+        for ckpt, tok in ((padded, []), (out, [f"--tokenizer={padded / 'tokenizer.json'}"]))
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    import json as json_module
+
+    a, b = (json_module.loads(r.stdout) for r in runs)
+    assert a["prompt_ids"] == b["prompt_ids"] and a["generated_ids"] == b["generated_ids"]

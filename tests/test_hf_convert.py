@@ -113,3 +113,53 @@ def test_bad_folders_at_the_command_line(tmp_path, llama2):
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     _one_line(run(f"--checkpoint={sharded}"), "model-00001-of-00002.safetensors")
+
+
+def test_convert_refuses_to_overwrite_its_source(tmp_path, llama2):
+    import shutil
+
+    folder, _ = llama2
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    before = (copy / "model.safetensors").read_bytes()
+    _one_line(run("convert", f"--checkpoint={copy}", f"--output={copy / 'model.safetensors'}"),
+              "would overwrite the checkpoint being converted")
+    assert (copy / "model.safetensors").read_bytes() == before
+    v1 = tmp_path / "m.bin"
+    assert run("convert", f"--checkpoint={copy}", f"--output={v1}").returncode == 0
+    _one_line(run("convert", f"--checkpoint={v1}", f"--output={v1}", "--llama2c_version=2"),
+              "would overwrite")
+
+
+def test_convert_group_size_is_exact_when_given(tmp_path, llama2):
+    folder, _ = llama2
+    _one_line(run("convert", f"--checkpoint={folder}", f"--output={tmp_path / 'a.bin'}",
+                  "--llama2c_version=2", "--group_size=7"), "group_size=7 does not divide")
+    _one_line(run("convert", f"--checkpoint={folder}", f"--output={tmp_path / 'b.bin'}",
+                  "--group_size=32"), "version 2 files only")
+    assert not any(tmp_path.iterdir())
+
+
+def test_files_of_a_folder_and_lying_headers(tmp_path, llama2):
+    import shutil
+    import struct
+
+    folder, _ = llama2
+    _one_line(run(f"--checkpoint={folder / 'model.safetensors'}"), f"pass the folder {folder}")
+    _one_line(run(f"--checkpoint={folder / 'config.json'}"), "file of a Hugging Face model folder")
+    # Offsets that make one tensor read another's bytes.
+    lie = tmp_path / "lie"
+    shutil.copytree(folder, lie)
+    data = (lie / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k.endswith("q_proj.weight"))
+    other = next(k for k in header if k.endswith("k_proj.weight"))
+    size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+    start = header[other]["data_offsets"][0]
+    header[name]["data_offsets"] = [start, start + size]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))
+    assert len(text) == n
+    (lie / "model.safetensors").write_bytes(data[:8] + text + data[8 + n:])
+    _one_line(run(f"--checkpoint={lie}"), "overlap")

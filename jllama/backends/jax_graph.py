@@ -28,7 +28,6 @@ from jllama.weights import (
     weights_dtype,
 )
 
-
 PREFILL_CHUNKS = (64, 8)
 """Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
 chunks of these sizes and the fewer-than-8 tokens left go through the decode programs."""

@@ -57,6 +57,7 @@ that one set of bounds and size checks covers all tensors. (The tests check this
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -208,6 +209,10 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, SafetensorsEnt
         if not ok:
             raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {info!r}")
         begin, end = offsets
+        if end < begin:
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] end before they begin"
+            )
         if not 0 <= begin <= end <= data_size:
             raise CheckpointError(
                 f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] run outside the "
@@ -217,6 +222,15 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, SafetensorsEnt
             name=name, dtype=dtype, shape=tuple(shape), path=path,
             begin=data_start + begin, end=data_start + end,
         )
+    # The tensors must tile the data without overlapping (as the safetensors library checks):
+    # a header whose offsets overlap would make one tensor silently read another's bytes.
+    spans = sorted((e.begin, e.end, e.name) for e in entries.values())
+    for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise CheckpointError(
+                f"{path}: the data of tensors {name_a!r} and {name_b!r} overlap (a malformed "
+                "header)"
+            )
     return entries
 
 
@@ -407,7 +421,8 @@ def config_from_hf(
             rope_scaling=rope_scaling,
         )
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        hint = " (cap the context with --seq_len)" if "seq_len" in str(e) and not seq_len else ""
+        raise ConfigError(f"{source}: {e}{hint}") from None
 
 
 def _tensor_target(name: str, n_layers: int) -> tuple[str, int | None] | None:
@@ -578,6 +593,12 @@ def read_hf(
             continue
         target = _tensor_target(name, config.n_layers)
         if target is None:
+            layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+            if layer.isdigit() and int(layer) >= config.n_layers:
+                raise CheckpointError(
+                    f"{source}: tensor {name!r} is of layer {layer}, but config.json says "
+                    f"num_hidden_layers={config.n_layers}"
+                )
             raise CheckpointError(
                 f"{source}: unexpected tensor {name!r} (not part of a Llama model)"
             )

@@ -18,7 +18,12 @@ and for batched prefill (`prefill.py`), the same three layer programs over a chu
 from jllama.graphs.attention import attention, attention_window
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
-from jllama.graphs.prefill import attention_chunk, block_chunk, classifier_last, qkv_chunk
+from jllama.graphs.prefill import (
+    attention_chunk,
+    block_chunk,
+    classifier_last,
+    qkv_chunk,
+)
 from jllama.graphs.qkv import qkv
 
 PROGRAMS = ("qkv", "attention", "block", "classifier")
