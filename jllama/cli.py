@@ -90,6 +90,13 @@ flags.DEFINE_enum(
     "the stored type for Hugging Face folders); bfloat16 halves the memory.",
 )
 flags.DEFINE_enum(
+    "decode",
+    "graph",
+    ["graph", "fused"],
+    "jax backend: graph = three compiled programs per layer (the default); fused = one program "
+    "for all layers per token (faster on small models, slower on SmolLM2 here; see README).",
+)
+flags.DEFINE_enum(
     "prefill",
     "chunked",
     ["chunked", "token"],
@@ -237,7 +244,8 @@ def main(argv: list[str]) -> int:
         print(f"jllama: seed {seed} (repeat with --seed={seed})", file=sys.stderr)
 
     print(f"jllama: {required_memory(model)}", file=sys.stderr)
-    backend = make_backend(FLAGS.backend)
+    options = {"decode": FLAGS.decode} if FLAGS.backend == "jax" else {}
+    backend = make_backend(FLAGS.backend, **options)
     if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
         runtime.check_kv_cache_fits(config)
     backend.prepare(config, model.weights)

@@ -105,3 +105,32 @@ def test_prefill_rejects_what_forward_rejects(gqa):
         b.prefill([1] * 10, config.seq_len - 5)
     with pytest.raises(ValueError, match="token 300"):
         b.prefill([1, 300, 2], 0)
+
+
+def test_fused_decode_gives_the_same_logits_and_story(gqa, stories260k):
+    from test_cli import STORY
+
+    from jllama.loading import open_model
+
+    config, weights = gqa
+    tokens = [int(t) for t in np.random.default_rng(9).integers(0, config.vocab_size, 300)]
+    graph, fused = make_backend("jax"), make_backend("jax", decode="fused")
+    graph.prepare(config, weights)
+    fused.prepare(config, weights)
+    for pos, t in enumerate(tokens):  # crosses the 256-position window
+        np.testing.assert_array_equal(fused.forward(t, pos), graph.forward(t, pos))
+    # A conversation's rewind: position 10 again, then on.
+    np.testing.assert_array_equal(fused.forward(7, 10), graph.forward(7, 10))
+
+    b = make_backend("jax", decode="fused")
+    b.prepare(*stories260k)
+    tok = open_model().tokenizer
+    gen = Generation(b.forward, [1], Sampler(0.0), steps=200, prefill=b.prefill)
+    assert tok.decode([t.id for t in gen], prev=1) + "\n" == STORY
+
+
+def test_unknown_decode_mode_is_refused():
+    with pytest.raises(ValueError, match="known modes: graph, fused"):
+        make_backend("jax", decode="loop")
+    with pytest.raises(ValueError, match="no options"):
+        make_backend("numpy", decode="fused")

@@ -14,20 +14,24 @@ def backend_names() -> tuple[str, ...]:
     return ("jax", "numpy")
 
 
-def make_backend(name: str) -> Backend:
-    """A new, unprepared backend by name.
+def make_backend(name: str, **options) -> Backend:
+    """A new, unprepared backend by name; `options` go to its constructor (e.g. the jax
+    backend's `decode="fused"`).
 
     Raises:
-      ValueError: an unknown name (the message lists the known ones).
+      ValueError: an unknown name (the message lists the known ones), or options the backend
+        does not take.
     """
     if name == "numpy":
         from jllama.backends.numpy_ref import NumpyBackend
 
+        if options:
+            raise ValueError(f"the numpy backend takes no options, got {sorted(options)}")
         return NumpyBackend()
     if name == "jax":
         from jllama.backends.jax_graph import JaxGraphBackend
 
-        return JaxGraphBackend()
+        return JaxGraphBackend(**options)
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
 
 

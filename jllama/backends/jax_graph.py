@@ -28,6 +28,11 @@ from jllama.weights import (
     weights_dtype,
 )
 
+DECODE_MODES = ("graph", "fused")
+"""graph: three compiled programs per layer plus the classifier (the design's per-block
+programs); fused: one program for all layers and the classifier, plus one that writes the
+caches (`jllama.graphs.fused`). Both give the same tokens."""
+
 PREFILL_CHUNKS = (64, 8)
 """Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
 chunks of these sizes and the fewer-than-8 tokens left go through the decode programs."""
@@ -51,7 +56,10 @@ class JaxGraphBackend:
 
     name = "jax"
 
-    def __init__(self, device: jax.Device | None = None):
+    def __init__(self, device: jax.Device | None = None, decode: str = "graph"):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode={decode!r}; known modes: {', '.join(DECODE_MODES)}")
+        self.decode = decode
         if device is None:
             try:
                 device = jax.devices()[0]
@@ -153,6 +161,16 @@ class JaxGraphBackend:
         x = jax.device_put(self.token_embedding_table[token].astype(np.float32), self.device)
         pos_arr = jax.device_put(np.int32(pos), self.device)
         window = graphs.attention_window(config.seq_len, pos)
+        if self.decode == "fused":
+            logits, new_k, new_v = graphs.decode_step(
+                config, x, self.layers, tuple(self.key_cache), tuple(self.value_cache), pos_arr,
+                self.inv_freq, self.rms_final_weight, self.wcls, window=window,
+            )
+            keys, values = graphs.write_caches(
+                config, tuple(self.key_cache), tuple(self.value_cache), new_k, new_v, pos_arr
+            )
+            self.key_cache, self.value_cache = list(keys), list(values)
+            return np.asarray(logits)
         for l, layer in enumerate(self.layers):
             q, self.key_cache[l], self.value_cache[l] = graphs.qkv(
                 config, x, layer.rms_att_weight, layer.wqkv, self.key_cache[l],

@@ -18,6 +18,7 @@ and for batched prefill (`prefill.py`), the same three layer programs over a chu
 from jllama.graphs.attention import attention, attention_window
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
+from jllama.graphs.fused import decode_step, write_caches
 from jllama.graphs.prefill import (
     attention_chunk,
     block_chunk,
@@ -40,6 +41,8 @@ __all__ = [
     "block_chunk",
     "classifier",
     "classifier_last",
+    "decode_step",
     "qkv",
     "qkv_chunk",
+    "write_caches",
 ]
