@@ -1,0 +1,280 @@
+"""jllama's speed benchmark: JSON lines of medians per shape x backend x dtype.
+
+    .venv/bin/python bench/run.py --shapes=stories15M,stories110M --reps=3 > results.jsonl
+    .venv/bin/python bench/table.py results.jsonl --plot=results.png
+
+Each repetition of each (shape, backend, dtype) is one fresh process (`bench/worker.py`), so
+compile time and peak memory are those of a single run. With `--vs "COMMAND"` another
+program (llama2.c's run, see `bench/build_runc.sh`) runs right after each of those processes
+(A B A B ...), so both see the same machine conditions, and the ratio jllama / other is
+reported per pair. --vs may be given several times (A B C A B C ...), e.g. run.c on one and
+on two OpenMP threads.
+
+Output, on stdout, one JSON object a line: first a "meta" line (host, CPUs, load, versions,
+flags), then per (shape, backend, dtype) one line per metric ("load1": the 1-minute load
+average before each repetition; the machine is shared):
+
+    {"shape": "stories110M", "backend": "jax", "dtype": "float32", "load1": [0.5, ...],
+     "prefill_mode": "token", "metric": "decode_tok_s", "unit": "tok/s", "median": 24.1,
+     "values": [...], "reps": 3, "tokens": 256}
+
+Metrics: load_s, compile_s, warmup_s, ttft_s (time to first token after a 128-token prompt,
+seconds), prefill_N_tok_s, decode_tok_s, decode_gb_s (weights streamed per second at that
+rate, 10^9 bytes/s), weights_mb_per_token (10^6 bytes), peak_rss_mb (10^6 bytes); with --vs,
+vs_decode_tok_s and decode_ratio_vs. A metric that cannot be measured (a prompt longer than
+the context) has "median": null and "skipped"; a failed run gives a "metric": "error" line.
+Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import shapes as shapes_mod  # bench/ is not a package: its modules are imported by file name
+import vs as vs_mod
+
+UNITS = {
+    "load_s": "s", "prepare_s": "s", "compile_s": "s", "warmup_s": "s", "ttft_s": "s",
+    "decode_tok_s": "tok/s", "decode_gb_s": "GB/s", "weights_mb_per_token": "MB",
+    "peak_rss_mb": "MB",
+}
+"""Worker figures reported as metrics, with their units; prefill_N_tok_s are added per N."""
+
+
+def _csv(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="jllama speed benchmark (JSON lines on stdout)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--shapes", default=",".join(shapes_mod.DEFAULT_SHAPES),
+                   help=f"comma-separated, of: {', '.join(shapes_mod.SHAPES)}")
+    p.add_argument("--backends", default="jax,numpy",
+                   help='comma-separated; NAME:KEY=VALUE passes an option to the backend, e.g. '
+                        '"jax:decode=fused"')
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--reps", type=int, default=3, help="fresh processes per combination")
+    p.add_argument("--prefill_lengths", default="128,512", help="prompt lengths, tokens")
+    p.add_argument("--decode_tokens", type=int, default=256,
+                   help="greedy tokens timed after the first one")
+    p.add_argument("--prefill_mode", default="token", choices=("token", "batched", "auto"),
+                   help="token: Generation feeds the prompt through backend.forward one token "
+                        "at a time; batched: backend.prefill(tokens, start_pos) -> logits of "
+                        "the last token; auto: batched where the backend has prefill")
+    p.add_argument("--warmup", default="windows", choices=("windows", "none"),
+                   help="compile the programs prepare leaves out before timing (see worker.py)")
+    p.add_argument("--vs", action="append", default=[],
+                   help='another program to alternate with (repeatable), e.g. '
+                        '"bench/.cache/run {checkpoint} -z {tokenizer} -n 256 -t 0"; see vs.py')
+    p.add_argument("--timeout_s", type=float, default=1200.0,
+                   help="limit for each process (a worker or the --vs program), seconds")
+    p.add_argument("--cache", default=str(HERE / ".cache"),
+                   help="folder for the random-weight checkpoints")
+    p.add_argument("--seq_len", type=int, default=0, help="cap on the context, 0 = the model's")
+    p.add_argument("--threads", type=int, default=0, help="cores per worker, 0 = all")
+    p.add_argument("--out", default="", help="also append the JSON lines to this file")
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
+    for shape in _csv(args.shapes):
+        if shape not in shapes_mod.SHAPES:
+            p.error(f"unknown shape {shape!r}; known: {', '.join(shapes_mod.SHAPES)}")
+    return args
+
+
+class Emitter:
+    """Writes JSON lines to stdout (flushed, so a pipe sees each as it comes) and to `file`."""
+
+    def __init__(self, file=None):
+        self.file = file
+
+    def __call__(self, record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.file:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def meta(args: argparse.Namespace) -> dict:
+    """Where and how the run happened: the machine is shared, so say how loaded it was."""
+    from importlib.metadata import version
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+    except OSError:
+        pass
+    try:
+        git = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], check=False, cwd=HERE, capture_output=True,
+            text=True, timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        git = ""
+    return {
+        "metric": "meta",
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0)),
+        "loadavg": list(os.getloadavg()), "python": platform.python_version(),
+        "jax": version("jax"), "numpy": version("numpy"), "git": git, "args": vars(args),
+    }
+
+
+def run_worker(args: argparse.Namespace, checkpoint: Path, backend: str, dtype: str) -> dict:
+    """One measurement in a fresh process: the worker's figures, or {"error": ...}."""
+    argv = [
+        sys.executable, str(HERE / "worker.py"), f"--checkpoint={checkpoint}",
+        f"--backend={backend}", f"--dtype={dtype}", f"--prefill_lengths={args.prefill_lengths}",
+        f"--decode_tokens={args.decode_tokens}", f"--prefill_mode={args.prefill_mode}",
+        f"--warmup={args.warmup}", f"--seq_len={args.seq_len}", f"--threads={args.threads}",
+    ]
+    try:
+        done = subprocess.run(
+            argv, check=False, capture_output=True, text=True, timeout=args.timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout_s:g} s"}
+    lines = [l for l in done.stdout.splitlines() if l.strip()]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"worker exited {done.returncode}: {tail}"}
+    try:
+        return json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return {"error": f"worker printed no JSON: {lines[-1][:200]}"}
+
+
+def metric_lines(key: dict, runs: list[dict]) -> list[dict]:
+    """One record per metric over the successful `runs` (medians), plus skipped metrics."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return []
+    prefill = sorted((n for n in ok[0] if n.startswith("prefill_") and n.endswith("_tok_s")),
+                     key=lambda n: int(n.split("_")[1]))
+    names = [n for n in UNITS if n in ok[0]]
+    at = names.index("decode_tok_s") if "decode_tok_s" in names else len(names)
+    names[at:at] = prefill
+    records = []
+    for name in names:
+        values = [r[name] for r in ok if name in r]
+        unit = UNITS.get(name, "tok/s")
+        record = {**key, "prefill_mode": ok[0]["prefill_mode"], "metric": name, "unit": unit,
+                  "median": statistics.median(values), "values": values, "reps": len(values)}
+        if name == "decode_tok_s":
+            record["tokens"] = ok[0]["decode_tokens"]
+        elif name == "ttft_s":
+            record["prompt_tokens"] = ok[0]["ttft_prompt_tokens"]
+        elif name == "weights_mb_per_token":
+            record["weights_dtype"] = ok[0]["weights_dtype"]
+        records.append(record)
+    for name, why in ok[0].get("skipped", {}).items():
+        records.append({**key, "prefill_mode": ok[0]["prefill_mode"], "metric": name,
+                        "unit": "tok/s", "median": None, "values": [], "skipped": why})
+    return records
+
+
+def vs_lines(key: dict, command: str, runs: list[dict], others: list[dict]) -> list[dict]:
+    """The other program's decode rate and the per-pair ratios jllama / other."""
+    rates = [o["tok_s"] for o in others if o["tok_s"] is not None]
+    records = []
+    if rates:
+        records.append({**key, "metric": "vs_decode_tok_s", "unit": "tok/s", "command": command,
+                        "median": statistics.median(rates), "values": rates, "reps": len(rates)})
+    pairs = [
+        r["decode_tok_s"] / o["tok_s"]
+        for r, o in zip(runs, others)
+        if "error" not in r and o["tok_s"]
+    ]
+    if pairs:
+        ours = statistics.median([r["decode_tok_s"] for r in runs if "error" not in r])
+        records.append({**key, "metric": "decode_ratio_vs", "unit": "x", "command": command,
+                        "median": statistics.median(pairs), "values": pairs, "reps": len(pairs),
+                        "ratio_of_medians": ours / statistics.median(rates)})
+    for i, o in enumerate(others):
+        if o["tok_s"] is None:
+            how = ("timed out or could not start" if o["returncode"] is None
+                   else f"exited {o['returncode']}")
+            records.append({**key, "metric": "error", "rep": i, "command": command,
+                            "error": f"--vs {how}, no tok/s read: {o['tail']!r}"})
+    return records
+
+
+def bench_shape(args, name: str, emit: Emitter) -> None:
+    shape = shapes_mod.get_shape(name)
+    cache = Path(args.cache)
+    start = time.perf_counter()
+    try:
+        checkpoint = shapes_mod.checkpoint(shape, cache)
+        vs_argvs = []
+        if args.vs:
+            from jllama.formats.llama2c import read_header
+
+            other_file = shapes_mod.llama2c_checkpoint(shape, cache)
+            tokenizer = shapes_mod.placeholder_tokenizer(read_header(other_file).vocab_size, cache)
+            vs_argvs = [
+                vs_mod.expand(c, checkpoint=str(other_file), tokenizer=str(tokenizer))
+                for c in args.vs
+            ]
+    except Exception as e:  # noqa: BLE001  (a bad shape must not stop the others)
+        emit({"shape": name, "metric": "error", "error": f"{type(e).__name__}: {e}"})
+        return
+    log(f"[{name}] {checkpoint} ready in {time.perf_counter() - start:.1f} s")
+    for backend in _csv(args.backends):
+        for dtype in _csv(args.dtypes):
+            key = {"shape": name, "backend": backend, "dtype": dtype, "load1": []}
+            runs, others = [], [[] for _ in vs_argvs]
+            for rep in range(args.reps):
+                key["load1"].append(round(os.getloadavg()[0], 2))  # how busy the machine was
+                result = run_worker(args, checkpoint, backend, dtype)
+                runs.append(result)
+                what = result.get("error") or f"decode {result['decode_tok_s']:.1f} tok/s"
+                log(f"[{name} {backend} {dtype} rep {rep + 1}/{args.reps}] {what}")
+                if "error" in result:
+                    emit({**key, "metric": "error", "rep": rep, "error": result["error"]})
+                for i, argv in enumerate(vs_argvs):
+                    other = vs_mod.run_other(argv, args.timeout_s)
+                    others[i].append(other)
+                    log(f"[{name} vs {vs_mod.label(args.vs[i])} rep {rep + 1}/{args.reps}] "
+                        f"decode {other['tok_s']} tok/s")
+            for record in metric_lines(key, runs):
+                emit(record)
+            mode = next((r["prefill_mode"] for r in runs if "error" not in r), args.prefill_mode)
+            for command, results in zip(args.vs, others):
+                for record in vs_lines({**key, "prefill_mode": mode}, command, runs, results):
+                    emit(record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        emit = Emitter(stack.enter_context(open(args.out, "a")) if args.out else None)
+        emit(meta(args))
+        for name in _csv(args.shapes):
+            bench_shape(args, name, emit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Tests of the benchmark's own logic: `.venv/bin/python -m pytest bench/` (about 30 s).
+
+Not part of the project's `tests/` (testpaths): the end-to-end case starts real worker
+processes on the embedded stories260K model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run as run_mod
+import shapes
+import table
+import vs
+import worker
+
+from jllama.formats.llama2c import read_header
+from jllama.tokenizers.llama2c import read_tokenizer
+from jllama.weights import random_weights
+
+
+def test_parse_tok_s_reads_runc_and_jllama_lines():
+    assert vs.parse_tok_s("once upon\nachieved tok/s: 229.411765\n") == pytest.approx(229.411765)
+    jllama = "achieved tok/s: prefill 98.1 (5 tokens, 0.051 s), decode 48.7 (251 tokens, 5.2 s)"
+    assert vs.parse_tok_s(jllama) == pytest.approx(48.7)
+    assert vs.parse_tok_s("no rate here") is None
+
+
+def test_expand_and_label():
+    argv = vs.expand("env OMP_NUM_THREADS=1 'a b/run' {checkpoint} -z {tokenizer}",
+                     checkpoint="/c d.bin", tokenizer="/t.bin")
+    assert argv == ["env", "OMP_NUM_THREADS=1", "a b/run", "/c d.bin", "-z", "/t.bin"]
+    assert vs.label("env OMP_NUM_THREADS=1 bench/.cache/run {checkpoint}") == (
+        "run OMP_NUM_THREADS=1"
+    )
+    with pytest.raises(ValueError, match="placeholder"):
+        vs.expand("run {model}", checkpoint="x", tokenizer="y")
+
+
+def test_placeholder_tokenizer_has_the_vocabulary_size(tmp_path):
+    path = shapes.placeholder_tokenizer(1000, tmp_path)
+    assert read_tokenizer(path, vocab_size=1000).vocab_size == 1000
+    assert shapes.placeholder_tokenizer(1000, tmp_path) == path  # reused
+
+
+def test_shapes_match_the_published_models():
+    assert shapes.get_shape("stories110M").config().n_params() == pytest.approx(110e6, rel=0.05)
+    tiny = shapes.get_shape("TinyLlama-1.1B")
+    assert tiny.on_request and not tiny.config().shared_weights
+    with pytest.raises(ValueError, match="known"):
+        shapes.get_shape("nope")
+
+
+def test_streamed_bytes_count_the_classifier_once():
+    config = shapes.Shape("t", "random", (16, 32, 2, 2, 2, 50, 8)).config()
+    w = random_weights(config)
+    every = sum(getattr(w, n).nbytes for n in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
+    norms = w.rms_att_weight.nbytes + w.rms_ffn_weight.nbytes + w.rms_final_weight.nbytes
+    assert worker.streamed_bytes_per_token(w) == every + norms + w.wcls.nbytes
+
+
+def test_parse_backend_options():
+    assert worker.parse_backend("jax") == ("jax", {})
+    assert worker.parse_backend("jax:decode=fused") == ("jax", {"decode": "fused"})
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        worker.parse_backend("jax:fused")
+
+
+def test_metric_lines_take_medians_and_keep_skips():
+    runs = [
+        {"prefill_mode": "token", "decode_tok_s": v, "decode_tokens": 255, "compile_s": 1.0,
+         "prefill_128_tok_s": 2 * v, "skipped": {"prefill_512_tok_s": "too long"}}
+        for v in (10.0, 30.0, 20.0)
+    ] + [{"error": "boom"}]
+    lines = {r["metric"]: r for r in run_mod.metric_lines({"shape": "s"}, runs)}
+    assert lines["decode_tok_s"]["median"] == 20.0 and lines["decode_tok_s"]["reps"] == 3
+    assert lines["prefill_128_tok_s"]["median"] == 40.0
+    assert lines["prefill_512_tok_s"]["median"] is None
+    assert list(lines).index("prefill_128_tok_s") < list(lines).index("decode_tok_s")
+
+
+def test_vs_lines_pair_ratios():
+    runs = [{"decode_tok_s": 10.0}, {"decode_tok_s": 20.0}]
+    others = [{"tok_s": 5.0}, {"tok_s": 20.0}]
+    lines = {r["metric"]: r for r in run_mod.vs_lines({"shape": "s"}, "run", runs, others)}
+    assert lines["decode_ratio_vs"]["values"] == [2.0, 1.0]
+    assert lines["vs_decode_tok_s"]["median"] == 12.5
+
+
+def test_end_to_end_json_lines_parse_and_tabulate(tmp_path):
+    """run.py on stories260K (numpy, one rep, a --vs that prints a rate) -> table.py."""
+    fake = f"{sys.executable} -c \"print('achieved tok/s: 100.0')\" {{checkpoint}} {{tokenizer}}"
+    out = subprocess.run(
+        [sys.executable, str(HERE / "run.py"), "--shapes=stories260K", "--backends=numpy",
+         "--dtypes=float32,bfloat16", "--reps=1", "--decode_tokens=8", "--prefill_lengths=4,600",
+         f"--cache={tmp_path}", f"--vs={fake}"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    records = [json.loads(line) for line in out.splitlines()]
+    assert records[0]["metric"] == "meta"
+    metrics = {(r.get("dtype"), r["metric"]) for r in records}
+    assert ("bfloat16", "decode_tok_s") in metrics and ("float32", "decode_ratio_vs") in metrics
+    assert not any(r["metric"] == "error" for r in records)
+    md = table.markdown(records)
+    assert "| stories260K | numpy | float32 | token |" in md
+    assert "python" in md  # the --vs program's row, named after its program
+    table.plot(records, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert read_header(shapes.checkpoint(shapes.get_shape("stories260K"), tmp_path)).dim == 64

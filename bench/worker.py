@@ -1,0 +1,216 @@
+"""One measurement of one model on one backend, in a process of its own.
+
+`bench/run.py` starts this script once per repetition so that every figure, peak memory
+included, belongs to a single fresh run. It prints one JSON object (the last line of stdout)
+with the raw figures of that run; `run.py` gathers the repetitions and reports medians.
+
+Order of work, each timed apart:
+
+  1. load      `open_model` (reading, dequantizing GGUF, casting to --dtype), seconds.
+  2. prepare   `backend.prepare`; `compile_s` is the backend's own `compile_seconds` (0 for a
+               backend that compiles nothing).
+  3. warm-up   programs compiled later than `prepare` are compiled here, untimed in the rates:
+               the jax backend's attention programs for longer windows (one forward call at
+               the first position of each window the measured sequences reach; the cache is
+               fixed-size and masked, so these calls leave nothing a later sequence can see);
+               in batched mode, one untimed prefill of each prompt length.
+  4. prefill   for each prompt length L: a new sequence of BOS + L-1 fixed random tokens, fed
+               token by token through `Generation` (mode "token", what the library does
+               today) or in one `backend.prefill(tokens, 0)` call (mode "batched"), then the
+               first token sampled greedily. prefill tok/s = L / that time; the time for the
+               first length is the time to first token (ttft_s).
+  5. decode    a new sequence from BOS alone, greedy, no stop tokens: the first sampled token
+               ends the prefill, the next `decode_tokens` (fewer when seq_len is shorter) are
+               timed: decode tok/s, as `GenerationStats.decode_tok_s`.
+  6. peak RSS  `resource.getrusage(RUSAGE_SELF).ru_maxrss` at the end, MB (10^6 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+import numpy as np
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, help="a llama2.c or GGUF file")
+    p.add_argument("--backend", required=True,
+                   help='a backend name, optionally with constructor options: "jax", "numpy", '
+                        '"jax:decode=fused"')
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--prefill_lengths", default="128,512", help="prompt lengths, tokens")
+    p.add_argument("--decode_tokens", type=int, default=256, help="tokens timed after the first")
+    p.add_argument("--prefill_mode", default="token", choices=("token", "batched", "auto"))
+    p.add_argument("--warmup", default="windows", choices=("windows", "none"))
+    p.add_argument("--seq_len", type=int, default=0, help="cap on the context, 0 = the model's")
+    p.add_argument("--threads", type=int, default=0, help="pin to this many cores, 0 = all")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
+    return p.parse_args(argv)
+
+
+def prompt_tokens(length: int, vocab_size: int, seed: int) -> list[int]:
+    """BOS (1) and `length - 1` tokens drawn uniformly from [3, vocab_size), fixed by `seed`."""
+    rng = np.random.default_rng(seed)
+    return [1] + rng.integers(3, vocab_size, size=length - 1).tolist()
+
+
+def streamed_bytes_per_token(weights) -> int:
+    """Bytes of weights one decode step reads, from the arrays' nbytes: every layer matrix and
+    norm, the final norm and the classifier, and one row of the embedding table (the whole
+    table when it is the classifier, counted once)."""
+    shared = weights.wcls is weights.token_embedding_table
+    total = 0
+    for name in ("rms_att_weight", "wq", "wk", "wv", "wo", "rms_ffn_weight", "w1", "w2", "w3",
+                 "rms_final_weight", "wcls"):
+        total += getattr(weights, name).nbytes
+    table = weights.token_embedding_table
+    if not shared:
+        total += table.nbytes // table.shape[0]
+    return total
+
+
+def parse_backend(spec: str) -> tuple[str, dict[str, str]]:
+    """`NAME[:KEY=VALUE[:KEY=VALUE...]]` as (name, options for `make_backend`)."""
+    name, *pairs = spec.split(":")
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"backend option {pair!r} in {spec!r} is not KEY=VALUE")
+        options[key] = value
+    return name, options
+
+
+def resolve_mode(mode: str, backend) -> str:
+    """"token" or "batched": "auto" is batched when the backend has `prefill`.
+
+    Raises:
+      ValueError: "batched" for a backend without `prefill`.
+    """
+    has = callable(getattr(backend, "prefill", None))
+    if mode == "auto":
+        return "batched" if has else "token"
+    if mode == "batched" and not has:
+        raise ValueError(f"backend {backend.name!r} has no prefill(tokens, start_pos)")
+    return mode
+
+
+def warm_up(backend, mode: str, lengths: list[int], last_pos: int, seq_len: int) -> float:
+    """Compile what `prepare` left uncompiled (see the module docstring); seconds taken."""
+    start = time.perf_counter()
+    if backend.name == "jax":
+        from jllama.graphs import attention_window
+
+        seen = {attention_window(seq_len, 0)}
+        for pos in range(1, last_pos + 1):
+            window = attention_window(seq_len, pos)
+            if window not in seen:
+                seen.add(window)
+                backend.forward(1, pos)
+    if mode == "batched":
+        for length in lengths:
+            backend.prefill(prompt_tokens(length, backend.config.vocab_size, 1), 0)
+    return time.perf_counter() - start
+
+
+def time_prefill(backend, mode: str, tokens: list[int]) -> float:
+    """Seconds from the first prompt token to the first greedily sampled token."""
+    from jllama.generate import Generation
+    from jllama.sampling import argmax
+
+    if mode == "batched":
+        start = time.perf_counter()
+        argmax(backend.prefill(tokens, 0))
+        return time.perf_counter() - start
+    gen = Generation(backend.forward, tokens, argmax, steps=len(tokens), stop_ids=())
+    for _ in gen:
+        pass
+    return gen.stats.prefill_seconds
+
+
+def time_decode(backend, tokens: int) -> tuple[float, int]:
+    """(tok/s, tokens timed) of greedy decoding from BOS after the first sampled token."""
+    from jllama.generate import Generation
+    from jllama.sampling import argmax
+
+    steps = min(1 + tokens, backend.config.seq_len)  # BOS's position, then one per token
+    gen = Generation(backend.forward, [1], argmax, steps=steps, stop_ids=())
+    for _ in gen:
+        pass
+    return gen.stats.decode_tok_s, gen.stats.decode_steps
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The figures of one run (keys as in `bench/run.py`'s METRICS, plus context)."""
+    if args.threads:
+        from jllama.runtime import limit_cpu_threads
+
+        limit_cpu_threads(args.threads)  # before JAX starts its CPU client
+    from jllama.backends import make_backend
+    from jllama.loading import open_model
+    from jllama.weights import TransformerWeights, weights_dtype
+
+    out: dict = {}
+    start = time.perf_counter()
+    model = open_model(
+        args.checkpoint, need_tokenizer=False, dtype=args.dtype, seq_len=args.seq_len or None
+    )
+    out["load_s"] = time.perf_counter() - start
+    config = model.config
+    name, options = parse_backend(args.backend)
+    backend = make_backend(name, **options)
+    start = time.perf_counter()
+    backend.prepare(config, model.weights)
+    out["prepare_s"] = time.perf_counter() - start
+    out["compile_s"] = float(getattr(backend, "compile_seconds", 0.0))
+    mode = resolve_mode(args.prefill_mode, backend)
+    out["prefill_mode"] = mode
+
+    # The numpy backend widens bfloat16 to float32 in prepare: count what it actually reads.
+    held = getattr(backend, "weights", None)
+    held = held if isinstance(held, TransformerWeights) else model.weights
+    out["weights_dtype"] = weights_dtype(held)
+    out["weights_mb_per_token"] = streamed_bytes_per_token(held) / 1e6
+    out["seq_len"] = config.seq_len
+
+    lengths = [int(n) for n in args.prefill_lengths.split(",") if n]
+    fitting = [n for n in lengths if n <= config.seq_len]
+    decode_positions = min(1 + args.decode_tokens, config.seq_len)
+    last_pos = max(fitting + [decode_positions]) - 1
+    out["warmup_s"] = (
+        warm_up(backend, mode, fitting, last_pos, config.seq_len) if args.warmup == "windows" else 0.0
+    )
+
+    skipped = {}
+    for i, length in enumerate(lengths):
+        if length not in fitting:
+            skipped[f"prefill_{length}_tok_s"] = f"prompt of {length} > seq_len {config.seq_len}"
+            continue
+        seconds = time_prefill(backend, mode, prompt_tokens(length, config.vocab_size, args.seed))
+        out[f"prefill_{length}_tok_s"] = length / seconds
+        if "ttft_s" not in out:
+            out["ttft_s"] = seconds
+            out["ttft_prompt_tokens"] = length
+    rate, steps = time_decode(backend, args.decode_tokens)
+    out["decode_tok_s"] = rate
+    out["decode_tokens"] = steps
+    out["decode_gb_s"] = rate * out["weights_mb_per_token"] / 1e3
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+    out["skipped"] = skipped
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    result = measure(args)
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
