@@ -168,7 +168,7 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
         hf_tokenizer = None
         template = h.chat_template
         if need_tokenizer:
-            from jllama.tokenizers.hf import read_hf_chat_template, read_hf_tokenizer
+            from jllama.tokenizers.hf import read_hf_tokenizer
 
             if not (path / "tokenizer.json").exists() and is_tiktoken_file(path / "tokenizer.model"):
                 # Meta's tiktoken tokenizer.model beside the weights, and no tokenizer.json.
@@ -179,7 +179,6 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
                 template = template or LLAMA3_CHAT_TEMPLATE
             else:
                 hf_tokenizer = read_hf_tokenizer(path)
-                template = read_hf_chat_template(path) or template
             if hf_tokenizer.vocab_size > h.config.vocab_size:
                 raise TokenizerError(
                     f"{path}: the tokenizer has {hf_tokenizer.vocab_size} tokens but the model's "

@@ -70,7 +70,7 @@ import ml_dtypes
 import numpy as np
 
 from jllama.config import ModelConfig, RopeScaling
-from jllama.errors import CheckpointError, ConfigError, TokenizerError
+from jllama.errors import CheckpointError, ConfigError
 from jllama.files import require_regular_file
 from jllama.weights import TransformerWeights, expected_shapes
 
@@ -521,30 +521,15 @@ def _output_dtype(dtype: Any) -> np.dtype | None:
 
 
 def read_chat_template(folder: str | os.PathLike) -> str | None:
-    """The folder's chat template: `chat_template.jinja`, else tokenizer_config.json's
-    `chat_template` (a string, or the entry named "default" of a list of named templates);
-    None when neither has one.
+    """The folder's chat template (`chat_template.jinja`, else tokenizer_config.json's
+    `chat_template`), or None: `jllama.tokenizers.hf.read_hf_chat_template`, which reads it.
 
     Raises:
-      TokenizerError: an unreadable template file or a tokenizer_config.json that is not JSON.
+      TokenizerError: as `read_hf_chat_template`.
     """
-    folder = Path(folder)
-    jinja = folder / CHAT_TEMPLATE_FILE
-    if jinja.exists():
-        require_regular_file(jinja, f"chat template {jinja}", TokenizerError)
-        try:
-            return jinja.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"chat template {jinja}: cannot read: {e}") from None
-    path = folder / TOKENIZER_CONFIG_FILE
-    if not path.exists():
-        return None
-    cfg = _read_json(path, "tokenizer config", TokenizerError)
-    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+    from jllama.tokenizers.hf import read_hf_chat_template
+
+    return read_hf_chat_template(folder)
 
 
 def read_hf(
