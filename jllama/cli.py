@@ -273,7 +273,7 @@ def main(argv: list[str]) -> int:
             "prompt": FLAGS.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
             "prompt_ids": generation.prompt_ids,
             "generated_ids": generation.generated_ids,
-            "text": _continuation(tokenizer, prompt_ids[-1], generation.generated_ids),
+            "text": tokenizer.decode(generation.generated_ids, prev=prompt_ids[-1]),
             "backend": backend.name,
             "seed": seed,
             "temperature": FLAGS.temperature,
@@ -334,13 +334,6 @@ def _warn_invalid_utf8(text: str, tokenizer) -> None:
             "for are dropped, as llama.cpp does",
             file=sys.stderr,
         )
-
-
-def _continuation(tokenizer, prev: int, ids: list[int]) -> str:
-    try:
-        return tokenizer.decode(ids, prev=prev)
-    except TypeError:  # tokenizers whose decode needs no previous token
-        return tokenizer.decode(ids)
 
 
 def _no_arguments(command: str, args: list[str]) -> None:

@@ -179,11 +179,7 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
                 template = template or LLAMA3_CHAT_TEMPLATE
             else:
                 hf_tokenizer = read_hf_tokenizer(path)
-            if hf_tokenizer.vocab_size > h.config.vocab_size:
-                raise TokenizerError(
-                    f"{path}: the tokenizer has {hf_tokenizer.vocab_size} tokens but the model's "
-                    f"vocab_size is {h.config.vocab_size}"
-                )
+            _check_fits(hf_tokenizer, path, h.config.vocab_size)
         return Model(
             config=h.config, weights=h.weights, tokenizer=hf_tokenizer,
             chat_template=template,
@@ -304,11 +300,5 @@ def _check_fits(found, path, vocab_size: int) -> None:
 def is_tiktoken_file(path: str | os.PathLike) -> bool:
     """Whether `path` looks like a tiktoken BPE file (Meta's Llama 3 `tokenizer.model`): its
     first line is `<base64 token> <rank>`. False for llama2.c's binary tokenizer.bin."""
-    try:
-        if not Path(path).is_file():  # opening a FIFO would block
-            return False
-        with open(path, "rb") as f:
-            first = f.readline(200)
-    except OSError:
-        return False
+    first = _head(path, 200).split(b"\n", 1)[0] + b"\n"
     return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?\n?", first) is not None

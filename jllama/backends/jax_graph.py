@@ -25,7 +25,6 @@ from jllama.weights import (
     TransformerWeights,
     check_shapes,
     to_graph_weights,
-    weights_dtype,
 )
 
 DECODE_MODES = ("graph", "fused")
@@ -83,7 +82,6 @@ class JaxGraphBackend:
         host = to_graph_weights(weights)
         # The embedding table stays on the host: one row per token is all a step needs.
         self.token_embedding_table = np.asarray(host.token_embedding_table)
-        self.weights_dtype = weights_dtype(weights)
         self.layers, self.rms_final_weight, self.wcls = jax.device_put(
             (host.layers, host.rms_final_weight, host.wcls), self.device
         )
@@ -115,8 +113,7 @@ class JaxGraphBackend:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("prefill needs at least one token")
-        check_token_pos(config, tokens[0], start_pos)
-        check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)
+        check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)  # the last position
         for t in tokens:
             check_token_pos(config, t, start_pos)
         i, pos, x = 0, start_pos, None
