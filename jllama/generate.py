@@ -97,6 +97,12 @@ class Generation:
         token (a backend's batched prefill); when given, a prompt of 2 or more tokens that fits
         in `steps` goes through it in one call instead of `forward` token by token.
       clock: seconds as a float (injectable for tests).
+      context_ids: the tokens before prompt_ids (at positions 0 .. start_pos-1), for a sampler
+        that reads the history (below); the model is not fed them.
+
+    A `sample` with a true attribute `uses_history` (a `Sampler` with a repetition penalty) is
+    called as `sample(logits, history)`, history being every token of the sequence so far:
+    context_ids + prompt_ids + the tokens generated.
 
     Raises:
       ValueError: an empty prompt or steps < 1 (at construction).
@@ -114,8 +120,13 @@ class Generation:
         clock: Callable[[], float] = time.perf_counter,
         start_pos: int = 0,
         prefill: Callable[[Sequence[int], int], np.ndarray] | None = None,
+        context_ids: Sequence[int] = (),
     ):
         self.prompt_ids = [operator.index(t) for t in prompt_ids]
+        self._history = (
+            [operator.index(t) for t in context_ids] + self.prompt_ids
+            if getattr(sample, "uses_history", False) else None
+        )
         if not self.prompt_ids:
             raise ValueError("the prompt must hold at least one token (e.g. BOS)")
         if steps < 1:
@@ -168,7 +179,12 @@ class Generation:
                         f"the model's logits at position {pos} are not finite (NaN or inf): "
                         "the checkpoint's weights may be broken (check with --verify_checkpoint)"
                     )
-                next_token, sampled = int(sample(logits)), True
+                if self._history is None:
+                    next_token = int(sample(logits))
+                else:
+                    next_token = int(sample(logits, self._history))
+                    self._history.append(next_token)
+                sampled = True
                 now = clock()
                 if first_sampled_at is None:
                     first_sampled_at = now
