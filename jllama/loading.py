@@ -120,8 +120,8 @@ def open_model(
       seq_len: cap on the context (tokens) the KV cache is sized for; None = the model's.
       need_tokenizer: False leaves the tokenizer unread (tokenizer None), e.g. to inspect or
         convert the weights alone.
-      dtype: "float32" or "bfloat16" to hold the weight matrices in (RMSNorm gains stay
-        float32); None keeps what the reader gives: float32 for llama2.c and GGUF files (GGUF
+      dtype: "float32", "bfloat16" or "int8" (per-row scales, `jllama.quant`) to hold the
+        weight matrices in (RMSNorm gains stay float32); None keeps what the reader gives: float32 for llama2.c and GGUF files (GGUF
         quantized tensors are dequantized), the stored type for Hugging Face folders (a
         bfloat16 model stays bfloat16).
 
@@ -164,7 +164,8 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
         from jllama.formats.hf import read_hf
 
         _refuse_tokenizer(tokenizer, path, "Hugging Face folder")
-        h = read_hf(path, seq_len=seq_len, dtype=dtype)
+        # int8 is quantized from the stored floats afterwards (`cast_weights`).
+        h = read_hf(path, seq_len=seq_len, dtype=None if dtype == "int8" else dtype)
         hf_tokenizer = None
         template = h.chat_template
         if need_tokenizer:

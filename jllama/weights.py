@@ -106,8 +106,9 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> T
     return TransformerWeights(**arrays)
 
 
-DTYPES = ("float32", "bfloat16")
-"""Weight dtypes a model can be held in (`cast_weights`, the CLI's --dtype)."""
+DTYPES = ("float32", "bfloat16", "int8")
+"""Weight dtypes a model can be held in (`cast_weights`, the CLI's --dtype). int8 is
+`jllama.quant.Int8Matrix`: int8 values with one float32 scale per row."""
 
 _MATRICES = ("token_embedding_table", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wcls")
 
@@ -131,12 +132,14 @@ def weights_nbytes(weights: TransformerWeights) -> int:
 
 
 def cast_weights(weights: TransformerWeights, dtype: str) -> TransformerWeights:
-    """The weight matrices converted to `dtype` ("float32" or "bfloat16"); RMSNorm gains stay
-    float32. A shared classifier stays the same array as the embedding. Arrays already of
-    `dtype` are kept (no copy).
+    """The weight matrices converted to `dtype` ("float32", "bfloat16" or "int8"); RMSNorm
+    gains stay float32. A shared classifier stays the same array as the embedding. Arrays
+    already of `dtype` are kept (no copy).
 
     Widening bfloat16 to float32 is exact; narrowing rounds to nearest even (as
-    `ml_dtypes.bfloat16` and torch's `.to(torch.bfloat16)` do).
+    `ml_dtypes.bfloat16` and torch's `.to(torch.bfloat16)` do). "int8" quantizes each matrix
+    row by row (`jllama.quant.quantize_int8`: error at most half a row's step); int8 to a float
+    dtype dequantizes.
 
     Raises:
       ConfigError: an unknown dtype name.
@@ -145,13 +148,22 @@ def cast_weights(weights: TransformerWeights, dtype: str) -> TransformerWeights:
         raise ConfigError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     import ml_dtypes
 
-    target = np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16)
+    from jllama.quant import quantize_int8
+
+    target = {
+        "float32": np.dtype(np.float32),
+        "bfloat16": np.dtype(ml_dtypes.bfloat16),
+        "int8": np.dtype(np.int8),
+    }[dtype]
     shared = weights.wcls is weights.token_embedding_table
     changes = {}
     for name in _MATRICES:
         array = getattr(weights, name)
         if array.dtype != target and not (name == "wcls" and shared):
-            changes[name] = np.asarray(array).astype(target)
+            if dtype == "int8":
+                changes[name] = quantize_int8(array)
+            else:
+                changes[name] = np.asarray(array).astype(target)
     if shared and "token_embedding_table" in changes:
         changes["wcls"] = changes["token_embedding_table"]
     return dataclasses.replace(weights, **changes) if changes else weights
@@ -213,7 +225,7 @@ def to_graph_weights(weights: TransformerWeights) -> GraphWeights:
     layers = tuple(
         LayerWeights(
             rms_att_weight=weights.rms_att_weight[l],
-            wqkv=np.concatenate([weights.wq[l], weights.wk[l], weights.wv[l]], axis=0),
+            wqkv=_stack_rows([weights.wq[l], weights.wk[l], weights.wv[l]]),
             wo=weights.wo[l],
             rms_ffn_weight=weights.rms_ffn_weight[l],
             w1=weights.w1[l],
@@ -228,6 +240,14 @@ def to_graph_weights(weights: TransformerWeights) -> GraphWeights:
         rms_final_weight=weights.rms_final_weight,
         wcls=weights.wcls,
     )
+
+
+def _stack_rows(matrices):
+    from jllama.quant import Int8Matrix, concatenate_rows
+
+    if all(isinstance(m, Int8Matrix) for m in matrices):
+        return concatenate_rows(matrices)
+    return np.concatenate([np.asarray(m) for m in matrices], axis=0)
 
 
 @dataclasses.dataclass(frozen=True)

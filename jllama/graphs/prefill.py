@@ -25,10 +25,15 @@ import jax.numpy as jnp
 
 from jllama.config import ModelConfig
 from jllama.graphs.ops import PRECISION
+from jllama.quant import Int8Matrix
 
 
-def _rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x: f32[T, in], w: [out, in] (f32 or bf16, widened) -> f32[T, out]: each row times w."""
+def _rows_matmul(x: jax.Array, w) -> jax.Array:
+    """x: f32[T, in], w: [out, in] (f32, or bf16 / `Int8Matrix` widened inside the program)
+    -> f32[T, out]: each row times w. A chunk's product is matrix-matrix, so widening the
+    weights once per chunk costs little next to the T rows it serves."""
+    if isinstance(w, Int8Matrix):
+        return jnp.einsum("ti,oi->to", x, w.q.astype(jnp.float32), precision=PRECISION) * w.scale
     if w.dtype != jnp.float32:
         w = w.astype(jnp.float32)
     return jnp.einsum("ti,oi->to", x, w, precision=PRECISION)

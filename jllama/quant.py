@@ -1,0 +1,118 @@
+"""int8 weight matrices with one float32 scale per row (symmetric, per output channel).
+
+A float32 matrix `w: f32[..., out, in]` is held as `q: int8[..., out, in]` and
+`scale: f32[..., out]` with `w ~= q * scale[..., None]`, where
+`scale = max(|row|) / 127` and `q = round(w / scale)` (round half to even, in [-127, 127]).
+This is the per-channel absmax scheme of LLM.int8()'s vector-wise quantization (Dettmers et
+al. 2022, without its outlier split) and of gpt-fast's `int8` weight-only mode; llama.cpp's
+Q8_0 uses the same rounding with one scale per 32 weights instead of per row.
+
+Why one scale per row and not per group of 32: a matrix-vector product then needs a single
+multiply by the row's scale after the integer row sum, `(q @ x) * scale`, so the compiled
+program reads one int8 per weight and nothing else. With group scales XLA CPU ran the product
+at 5.2 GB/s of int8 against 11-14 GB/s per row (JAX 0.10, 2-core AVX2 EPYC, 12 matrices of
+2048x768; bench/NOTES.md), slower than float32 itself.
+
+`Int8Matrix` is a frozen dataclass registered as a JAX pytree, so it travels through
+`jax.device_put` and `jax.jit` like the arrays it replaces; it has `shape`, `dtype`
+(int8), `nbytes` and `ndim`, indexes along its leading (layer) axis, and `np.asarray` of it
+is the dequantized float32 matrix (what the NumPy reference computes with).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+INT8_MAX = 127
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Matrix:
+    """A weight matrix (or a stack of them) as int8 values and per-row float32 scales.
+
+    Attributes:
+      q: int8[..., out, in], values in [-127, 127].
+      scale: f32[..., out], the float32 step of each row: `w[..., i, j] ~= q[..., i, j] *
+        scale[..., i]`.
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the matrix it stands for (`q.shape`)."""
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """int8: the storage type of the values (`weights_dtype` reports "int8")."""
+        return np.dtype(np.int8)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: one per value plus four per row."""
+        return int(self.q.nbytes + self.scale.nbytes)
+
+    def __getitem__(self, index) -> Int8Matrix:
+        """Index the leading axes (layers, or rows of an embedding table): `m[l]` is layer
+        l's `Int8Matrix`; `m[token]` is one row, still quantized (see `dequantize_rows`)."""
+        return Int8Matrix(q=self.q[index], scale=self.scale[index])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The dequantized matrix, f32[..., out, in] (a new array)."""
+        out = dequantize(self)
+        return out if dtype is None else out.astype(dtype)
+
+
+def quantize_int8(w: np.ndarray) -> Int8Matrix:
+    """Quantize `w: f[..., out, in]` (float32 or narrower floats) row by row, on the host.
+
+    Returns:
+      Int8Matrix with `scale = max(|row|) / 127` (float32) and `q = round(w / scale)`; a row of
+      zeros gets scale 1 and zeros. The error of each weight is at most scale / 2.
+
+    Raises:
+      ValueError: w has fewer than 2 dimensions or non-finite values (a scale would be inf/NaN).
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim < 2:
+        raise ValueError(f"quantize_int8 needs a matrix, got shape {w.shape}")
+    absmax = np.max(np.abs(w), axis=-1)
+    if not np.all(np.isfinite(absmax)):
+        raise ValueError("quantize_int8: the matrix has non-finite values")
+    scale = np.where(absmax > 0, absmax / np.float32(INT8_MAX), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(w / scale[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return Int8Matrix(q=q, scale=scale)
+
+
+def dequantize(m: Int8Matrix) -> np.ndarray:
+    """`q * scale[..., None]` as f32[..., out, in] (each product exact in float32 up to one
+    rounding)."""
+    return np.asarray(m.q, dtype=np.float32) * np.asarray(m.scale, dtype=np.float32)[..., None]
+
+
+def concatenate_rows(matrices: list[Int8Matrix]) -> Int8Matrix:
+    """Stack int8 matrices with the same `in` along their rows, scales with them (what
+    stacking wq/wk/wv into wqkv does for float matrices). Per-row scales make this exact: the
+    result holds the same values as quantizing the stacked float matrix."""
+    return Int8Matrix(
+        q=np.concatenate([np.asarray(m.q) for m in matrices], axis=-2),
+        scale=np.concatenate([np.asarray(m.scale) for m in matrices], axis=-1),
+    )
+
+
+def embedding_rows(table, tokens) -> np.ndarray:
+    """Rows of an embedding table as float32: `table[tokens]` for a float table, dequantized
+    for an `Int8Matrix`. tokens: an int or int array; returns f32[dim] or f32[n, dim]."""
+    if isinstance(table, Int8Matrix):
+        return dequantize(table[tokens])
+    return np.asarray(table[tokens], dtype=np.float32)
