@@ -70,6 +70,8 @@ class Conversation:
       system_prompt: the first message's content, role "system" (None: the template's default).
       prefill: optional batched `prefill(tokens, start_pos) -> logits` (a backend's), used for
         each turn's new tokens.
+      decode_loop: optional on-device decode loop for each reply (`Generation`'s argument; it
+        must sample as the `sample` given to `say`, e.g. `jllama.device_loop.loop_decoder`).
 
     Attributes:
       messages: the conversation so far, as {"role", "content"} dicts.
@@ -78,9 +80,10 @@ class Conversation:
     """
 
     def __init__(self, forward: Forward, tokenizer, template, seq_len: int,
-                 system_prompt: str | None = None, prefill=None):
+                 system_prompt: str | None = None, prefill=None, decode_loop=None):
         self._forward = forward
         self._prefill = prefill
+        self._decode_loop = decode_loop
         self.tokenizer = tokenizer
         self.template = template
         self.seq_len = seq_len
@@ -133,6 +136,7 @@ class Conversation:
         generation = Generation(
             self._forward, ids[reused:], sample, steps,
             stop_ids=tuple(self.tokenizer.stop_ids), start_pos=reused, prefill=self._prefill,
+            decode_loop=self._decode_loop,
         )
         self.messages = messages
         self.cached_ids = ids[:reused]

@@ -99,6 +99,11 @@ class Generation:
       clock: seconds as a float (injectable for tests).
       context_ids: the tokens before prompt_ids (at positions 0 .. start_pos-1), for a sampler
         that reads the history (below); the model is not fed them.
+      decode_loop: optional `decode_loop(token, pos, n) -> (ids, finite)`: feeds `token` at
+        `pos` and samples up to n following tokens on the device (a backend's `loop` decode
+        mode, with this generation's sampler bound in), returning them (a list, ending early
+        after a stop token) and False if it stopped at non-finite logits. When given, every
+        token after the first sampled one comes from it, a chunk per call.
 
     A `sample` with a true attribute `uses_history` (a `Sampler` with a repetition penalty) is
     called as `sample(logits, history)`, history being every token of the sequence so far:
@@ -120,6 +125,7 @@ class Generation:
         clock: Callable[[], float] = time.perf_counter,
         start_pos: int = 0,
         prefill: Callable[[Sequence[int], int], np.ndarray] | None = None,
+        decode_loop: Callable[[int, int, int], tuple[list[int], bool]] | None = None,
         context_ids: Sequence[int] = (),
     ):
         self.prompt_ids = [operator.index(t) for t in prompt_ids]
@@ -132,6 +138,7 @@ class Generation:
         if steps < 1:
             raise ValueError(f"steps={steps} must be at least 1")
         self._prefill = prefill
+        self._decode_loop = decode_loop
         self.start_pos = operator.index(start_pos)
         if self.start_pos < 0:
             raise ValueError(f"start_pos={start_pos} must not be negative")
@@ -166,6 +173,9 @@ class Generation:
             first, token = len(prompt) - 1, prompt[-1]
         for i in range(first, steps):
             pos = self.start_pos + i
+            if self._decode_loop is not None and first_sampled_at is not None:
+                yield from self._run_loop(token, i, steps, stop_ids, clock, first_sampled_at)
+                return
             if first and i == first:
                 logits = prefilled
             else:
@@ -201,3 +211,27 @@ class Generation:
             token = next_token
         if first_sampled_at is None:  # the prompt filled every step: all of it was prefill
             stats.prefill_seconds = clock() - start
+
+    def _run_loop(self, token, i, steps, stop_ids, clock, first_sampled_at) -> Iterator[Token]:
+        """Steps i.. steps - 1 through `decode_loop`, in chunks; `token` was sampled last."""
+        stats = self.stats
+        while i < steps:
+            pos = self.start_pos + i
+            ids, finite = self._decode_loop(token, pos, steps - i)
+            self.end_pos = pos + len(ids) + (0 if finite else 1)
+            stats.decode_seconds = clock() - first_sampled_at
+            for next_token in ids:
+                next_token = int(next_token)
+                stats.decode_steps += 1
+                if next_token in stop_ids:
+                    self.stop_token = next_token
+                    return
+                stats.generated_tokens += 1
+                self.generated_ids.append(next_token)
+                yield Token(id=next_token, prev=token, pos=pos + 1, sampled=True)
+                token, pos, i = next_token, pos + 1, i + 1
+            if not finite:
+                raise NumericsError(
+                    f"the model's logits at position {pos} are not finite (NaN or inf): "
+                    "the checkpoint's weights may be broken (check with --verify_checkpoint)"
+                )

@@ -73,6 +73,11 @@ def test_generation_with_prefill_gives_run_c_story(stories260k):
 
 
 def test_prefill_compiles_only_the_fixed_chunk_shapes(gqa):
+    """Prompts of every length 1..seq_len (600): the chunk programs compile once per chunk
+    size, the attention programs once per (chunk size or decode, window) pair, and nothing
+    per prompt length."""
+    from jllama.graphs import attention_window
+
     config, weights = gqa
     b = _fresh(config, weights)
     jax.clear_caches()
@@ -85,15 +90,20 @@ def test_prefill_compiles_only_the_fixed_chunk_shapes(gqa):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        tokens = list(range(1, 250))
-        for n in range(1, 250, 7):  # many prompt lengths, all within the 256 window
+        tokens = [int(t) for t in np.random.default_rng(0).integers(0, 300, config.seq_len)]
+        for n in list(range(1, 80)) + list(range(80, config.seq_len + 1, 13)) + [config.seq_len]:
             b.prefill(tokens[:n], 0)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    # One compile per chunk size for each chunk program, nothing per prompt length.
-    for program in ("qkv_chunk", "attention_chunk", "block_chunk", "classifier_last"):
+    windows = sorted({attention_window(config.seq_len, p) for p in range(config.seq_len)})
+    assert windows == [256, 512, 600]
+    for program in ("qkv_chunk", "block_chunk", "classifier_last"):
         assert compiled.count(f"jit({program})") == len(PREFILL_CHUNKS), compiled
-    assert len(compiled) == 4 * len(PREFILL_CHUNKS), compiled
+    # Each chunk size meets each window; the decode attention (the < 8 leftover tokens) too,
+    # for the windows beyond the first (compiled at prepare).
+    assert compiled.count("jit(attention_chunk)") == len(PREFILL_CHUNKS) * len(windows)
+    assert compiled.count("jit(attention)") == len(windows) - 1, compiled
+    assert len(compiled) == 3 * len(PREFILL_CHUNKS) + len(PREFILL_CHUNKS) * len(windows) + 2
 
 
 def test_prefill_rejects_what_forward_rejects(gqa):
@@ -130,7 +140,7 @@ def test_fused_decode_gives_the_same_logits_and_story(gqa, stories260k):
 
 
 def test_unknown_decode_mode_is_refused():
-    with pytest.raises(ValueError, match="known modes: graph, fused"):
-        make_backend("jax", decode="loop")
+    with pytest.raises(ValueError, match="known modes: graph, fused, loop"):
+        make_backend("jax", decode="scan")
     with pytest.raises(ValueError, match="no options"):
         make_backend("numpy", decode="fused")

@@ -20,6 +20,7 @@ from jllama import graphs
 from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
 from jllama.errors import BackendError
+from jllama.quant import embedding_rows
 from jllama.rope import rope_frequencies
 from jllama.weights import (
     TransformerWeights,
@@ -27,10 +28,17 @@ from jllama.weights import (
     to_graph_weights,
 )
 
-DECODE_MODES = ("graph", "fused")
+DECODE_MODES = ("graph", "fused", "loop")
 """graph: three compiled programs per layer plus the classifier (the design's per-block
 programs); fused: one program for all layers and the classifier, plus one that writes the
-caches (`jllama.graphs.fused`). Both give the same tokens."""
+caches (`jllama.graphs.fused`); loop: `LOOP_CHUNK` tokens per call of one program that also
+samples (`jllama.graphs.loop`, through `decode_loop`; `forward` runs the graph programs). All
+give the same greedy tokens."""
+
+LOOP_CHUNK = 16
+LOOP_STOP_IDS = 8
+"""Tokens one `decode_loop` call samples at most (the compiled loop's capacity): the host sees
+tokens in chunks of this many. LOOP_STOP_IDS: the most stop tokens it takes."""
 
 PREFILL_CHUNKS = (64, 8)
 """Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
@@ -75,13 +83,16 @@ class JaxGraphBackend:
         """Convert the weights to the per-layer layout on the device, allocate the caches
         (2 * n_layers arrays of f32[n_kv_heads, seq_len, head_dim]) and compile the programs.
 
-        Weight matrices keep their dtype on the device (float32, or bfloat16: half the bytes,
-        widened to float32 inside each product); activations, caches and logits are float32."""
+        Weight matrices keep their dtype on the device (float32; bfloat16: half the bytes;
+        int8 `jllama.quant.Int8Matrix`: a quarter; both widened to float32 inside each
+        product); activations, caches and logits are float32."""
         check_shapes(config, weights)
         self.config = config
         host = to_graph_weights(weights)
         # The embedding table stays on the host: one row per token is all a step needs.
-        self.token_embedding_table = np.asarray(host.token_embedding_table)
+        self.token_embedding_table = host.token_embedding_table
+        self._host_wcls = host.wcls
+        self._loop_embedding = None
         self.layers, self.rms_final_weight, self.wcls = jax.device_put(
             (host.layers, host.rms_final_weight, host.wcls), self.device
         )
@@ -132,7 +143,7 @@ class JaxGraphBackend:
 
     def _prefill_chunk(self, chunk: list[int], pos: int) -> jax.Array:
         config = self.config
-        rows = self.token_embedding_table[np.asarray(chunk)].astype(np.float32)
+        rows = embedding_rows(self.token_embedding_table, np.asarray(chunk))
         x = jax.device_put(rows, self.device)
         pos_arr = jax.device_put(np.int32(pos), self.device)
         window = graphs.attention_window(config.seq_len, pos + len(chunk) - 1)
@@ -149,13 +160,93 @@ class JaxGraphBackend:
             )
         return x
 
+    def decode_loop(
+        self,
+        token: int,
+        pos: int,
+        n: int,
+        kind: str = "greedy",
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        coins=None,
+        stop_ids=(),
+    ) -> tuple[list[int], bool]:
+        """Feed `token` at `pos` and sample up to min(n, LOOP_CHUNK) tokens after it on the
+        device, each fed in turn (`jllama.graphs.decode_loop`).
+
+        Args:
+          token, pos: the last chosen token and its position (not yet in the cache).
+          n: tokens wanted, >= 1; positions beyond seq_len are never reached (n is capped).
+          kind: "greedy", "mult" or "topp" (`jllama.graphs.sample_on_device`);
+          temperature, top_p: as `jllama.sampling.Sampler`.
+          coins: the random draw (float in [0, 1)) for each sampled token in order, at least
+            min(n, LOOP_CHUNK) of them unless greedy.
+          stop_ids: tokens that end the chunk when sampled (returned last).
+
+        Returns:
+          (ids, finite): the sampled tokens (ending early after a stop token), and False if
+          the loop stopped at logits that are not finite (positions pos .. pos + len(ids) are
+          then in the cache).
+
+        Raises:
+          ValueError: token or pos out of range, n < 1, too few coins, an unknown kind.
+        """
+        config = self.config
+        if config is None:
+            raise RuntimeError("JaxGraphBackend.decode_loop called before prepare")
+        token, pos = check_token_pos(config, token, pos)
+        if n < 1:
+            raise ValueError(f"decode_loop needs n >= 1, got {n}")
+        if kind not in graphs.SAMPLING_KINDS:
+            raise ValueError(f"kind={kind!r}; known: {', '.join(graphs.SAMPLING_KINDS)}")
+        n = min(n, LOOP_CHUNK, config.seq_len - pos)
+        draws = np.zeros(LOOP_CHUNK, np.float32)
+        if kind != "greedy":
+            if coins is None or len(coins) < n:
+                raise ValueError(f"decode_loop with kind={kind!r} needs {n} coins")
+            draws[:n] = np.asarray(coins[:n], np.float32)
+        stop_ids = [int(t) for t in stop_ids]
+        if len(stop_ids) > LOOP_STOP_IDS:
+            raise ValueError(f"decode_loop takes at most {LOOP_STOP_IDS} stop ids")
+        # A fixed-size array (padded with -1, never sampled): one compiled shape.
+        stops = np.full(LOOP_STOP_IDS, -1, np.int32)
+        stops[: len(stop_ids)] = stop_ids
+        window = graphs.attention_window(config.seq_len, pos + n - 1)
+        if self._loop_embedding is None:
+            shared = self.token_embedding_table is self._host_wcls
+            self._loop_embedding = (
+                self.wcls if shared else jax.device_put(self.token_embedding_table, self.device)
+            )
+        wcls = self.wcls
+        out, count, finite, keys, values = graphs.decode_loop(
+            config, np.int32(token), np.int32(pos), np.int32(n), self._loop_embedding,
+            self.layers, tuple(self.key_cache), tuple(self.value_cache), self.inv_freq,
+            self.rms_final_weight, wcls, np.float32(temperature), np.float32(top_p),
+            draws, stops,
+            window=window, n_steps=LOOP_CHUNK, kind=kind,
+        )
+        self.key_cache, self.value_cache = list(keys), list(values)
+        count = int(count)
+        return [int(t) for t in np.asarray(out)[:count]], bool(finite)
+
+    def compile_loop(self, kind: str = "greedy") -> float:
+        """Compile `decode_loop` for `kind` and the first attention window, by running it once
+        at position 0 (harmless before a sequence starts: position 0 is rewritten by the first
+        real step; do not call it in the middle of one). Returns the seconds it took (also
+        added to `compile_seconds`). Longer windows compile when the context reaches them."""
+        start = time.perf_counter()
+        self.decode_loop(0, 0, 1, kind=kind, coins=[0.0])
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        return seconds
+
     def forward(self, token: int, pos: int) -> np.ndarray:
         """Logits f32[vocab_size] for `token` at `pos` (see `jllama.backends.base.Backend`)."""
         config = self.config
         if config is None:
             raise RuntimeError("JaxGraphBackend.forward called before prepare")
         token, pos = check_token_pos(config, token, pos)
-        x = jax.device_put(self.token_embedding_table[token].astype(np.float32), self.device)
+        x = jax.device_put(embedding_rows(self.token_embedding_table, token), self.device)
         pos_arr = jax.device_put(np.int32(pos), self.device)
         window = graphs.attention_window(config.seq_len, pos)
         if self.decode == "fused":

@@ -13,12 +13,17 @@ slice layer-stacked weights: XLA CPU would copy the slice before the dot.
 
 and for batched prefill (`prefill.py`), the same three layer programs over a chunk of tokens:
 `qkv_chunk`, `attention_chunk`, `block_chunk`, and `classifier_last` (the last token's logits).
+
+The other decode modes reuse those bodies: `fused.py` (`decode_step` + `write_caches`: one
+program for all layers per token) and `loop.py` (`decode_loop`: a chunk of tokens in one
+on-device loop, sampled on the device by `sample_on_device`).
 """
 
 from jllama.graphs.attention import attention, attention_window
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.fused import decode_step, write_caches
+from jllama.graphs.loop import SAMPLING_KINDS, decode_loop, sample_on_device
 from jllama.graphs.prefill import (
     attention_chunk,
     block_chunk,
@@ -34,6 +39,7 @@ PREFILL_PROGRAMS = ("qkv_chunk", "attention_chunk", "block_chunk", "classifier_l
 __all__ = [
     "PREFILL_PROGRAMS",
     "PROGRAMS",
+    "SAMPLING_KINDS",
     "attention",
     "attention_chunk",
     "attention_window",
@@ -41,8 +47,10 @@ __all__ = [
     "block_chunk",
     "classifier",
     "classifier_last",
+    "decode_loop",
     "decode_step",
     "qkv",
     "qkv_chunk",
+    "sample_on_device",
     "write_caches",
 ]

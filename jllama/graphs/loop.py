@@ -1,0 +1,178 @@
+"""The `loop` decode mode: up to `n_steps` tokens in one compiled program, sampled on device.
+
+A `lax.while_loop` carries the token, its position and the caches; each iteration looks the
+token's embedding row up on the device, runs every layer with the graph mode's traced bodies
+(`qkv` with its cache write, `attention`, `block`; so the logits are the graph mode's sums),
+the classifier, then samples the next token with `sample_on_device` and records it. The loop
+ends after `n` tokens, or after a stop token, or at logits that are not finite; the host
+gets a chunk of tokens back per call and no logits at all.
+
+Inside one program the caches are loop-carried buffers that XLA updates in place: the write
+of a position happens before the attention of that iteration reads it, so no copy of the old
+cache is ever needed (unlike the straight-line programs, see `jllama.graphs.qkv`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jllama.config import ModelConfig
+from jllama.graphs.attention import attention
+from jllama.graphs.block import block
+from jllama.graphs.classifier import classifier
+from jllama.graphs.qkv import qkv
+from jllama.quant import Int8Matrix
+
+SAMPLING_KINDS = ("greedy", "mult", "topp")
+"""How `sample_on_device` picks: argmax; one draw from the softmax; one draw from the nucleus."""
+
+
+def sample_on_device(
+    logits: jax.Array, kind: str, temperature: jax.Array, top_p: jax.Array, coin: jax.Array
+) -> jax.Array:
+    """The next token from `logits: f32[vocab_size]`, as `jllama.sampling.Sampler` (run.c's
+    `sample`), traced.
+
+    kind (static): "greedy" -> argmax, the first index of the maximum; "mult" ->
+    softmax(logits / temperature) and the first token whose cumulative probability exceeds
+    `coin`; "topp" -> run.c's `sample_topp`: candidates with probability >= (1 - top_p) /
+    (vocab_size - 1), sorted by probability descending (ties by id), kept up to the first
+    whose cumulative sum exceeds top_p, then the first kept one whose cumulative sum exceeds
+    `coin * kept mass`. temperature, top_p, coin: f32 scalars.
+
+    Returns an int32 scalar. The sums run in XLA's order (its cumulative sums are trees, not
+    run.c's left-to-right loop) and `exp` is XLA's, so a draw can differ from the host
+    sampler's where the coin lands within about 1e-7 of a probability boundary; argmax is
+    exact.
+    """
+    if kind == "greedy":
+        return jnp.argmax(logits).astype(jnp.int32)
+    scaled = logits / temperature
+    # As `Sampler.sample`: a temperature so small that the division overflows is the limit of
+    # a vanishing temperature (the most likely tokens share the mass).
+    scaled = jnp.where(
+        jnp.isfinite(jnp.max(scaled)), scaled, (logits - jnp.max(logits)) / temperature
+    )
+    probs = jax.nn.softmax(scaled)
+    n = probs.shape[0]
+    if kind == "mult":
+        above = jnp.cumsum(probs) > coin
+        return jnp.where(jnp.any(above), jnp.argmax(above), n - 1).astype(jnp.int32)
+    if kind != "topp":
+        raise ValueError(f"unknown sampling kind {kind!r}; known: {SAMPLING_KINDS}")
+    cutoff = (jnp.float32(1) - top_p) / jnp.float32(n - 1)
+    order = jnp.argsort(-probs, stable=True)  # descending, ties by id
+    sorted_probs = probs[order]
+    n_candidates = jnp.sum(sorted_probs >= cutoff)  # a prefix of the sorted order
+    index = jnp.arange(n)
+    is_candidate = index < n_candidates
+    cdf = jnp.cumsum(jnp.where(is_candidate, sorted_probs, 0))
+    over = (cdf > top_p) & is_candidate
+    last = jnp.where(jnp.any(over), jnp.argmax(over), n_candidates - 1)
+    r = coin * cdf[last]
+    hit = (cdf > r) & (index <= last)
+    i = jnp.where(jnp.any(hit), jnp.argmax(hit), last)
+    picked = order[i]
+    # No candidate at all (top_p < 1 / vocab_size): the most likely token, as `sample_topp`.
+    return jnp.where(n_candidates > 0, picked, jnp.argmax(probs)).astype(jnp.int32)
+
+
+def _embedding_row(table, token: jax.Array) -> jax.Array:
+    if isinstance(table, Int8Matrix):
+        return table.q[token].astype(jnp.float32) * table.scale[token]
+    return table[token].astype(jnp.float32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnums=0,
+    static_argnames=("window", "n_steps", "kind"),
+    donate_argnames=("key_caches", "value_caches"),
+)
+def decode_loop(
+    config: ModelConfig,
+    token: jax.Array,
+    pos: jax.Array,
+    n: jax.Array,
+    embedding,
+    layers: tuple,
+    key_caches: tuple,
+    value_caches: tuple,
+    inv_freq: jax.Array,
+    rms_final_weight: jax.Array,
+    wcls,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    coins: jax.Array,
+    stop_ids: jax.Array,
+    *,
+    window: int,
+    n_steps: int,
+    kind: str,
+) -> tuple[jax.Array, jax.Array, jax.Array, tuple, tuple]:
+    """Feed `token` at `pos`, sample the next token, feed it, ... for up to `n` tokens.
+
+    Args:
+      config: static.
+      token: int32 scalar, the last token already chosen (not yet in the caches).
+      pos: int32 scalar, its position; pos + n - 1 < window.
+      n: int32 scalar, 1 <= n <= n_steps: how many tokens to sample.
+      embedding: [vocab_size, dim] float32 / bfloat16 / `Int8Matrix` token embedding table.
+      layers, key_caches, value_caches, inv_freq, rms_final_weight, wcls: as
+        `jllama.graphs.decode_step`; the caches are donated and returned updated at positions
+        pos .. pos + count - 1.
+      temperature, top_p: f32 scalars (see `sample_on_device`).
+      coins: f32[n_steps], the random draw for each sampled token, in order (unused when
+        greedy).
+      stop_ids: int32[k], tokens that end the loop once sampled (they are recorded).
+      window: static, the attention window for every position of this call
+        (`attention_window` of the last one).
+      n_steps: static, the capacity of one call (the chunk size).
+      kind: static, one of `SAMPLING_KINDS`.
+
+    Returns:
+      (tokens int32[n_steps]: the sampled tokens in their first `count` entries,
+       count int32: tokens sampled (< n only after a stop token or non-finite logits),
+       finite bool: False when the loop stopped at non-finite logits (nothing sampled there),
+       key_caches, value_caches).
+    """
+    c = config
+
+    def layer_pass(x, p, kcs, vcs):
+        kcs, vcs = list(kcs), list(vcs)
+        for l, layer in enumerate(layers):
+            q, kcs[l], vcs[l] = qkv.__wrapped__(
+                c, x, layer.rms_att_weight, layer.wqkv, kcs[l], vcs[l], p, inv_freq
+            )
+            att = attention.__wrapped__(c, q, kcs[l], vcs[l], p, window=window)
+            x = block.__wrapped__(
+                c, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
+            )
+        return x, tuple(kcs), tuple(vcs)
+
+    def cond(carry):
+        i, _, _, _, _, stopped, _ = carry
+        return (i < n) & ~stopped
+
+    def body(carry):
+        i, tok, p, kcs, vcs, _, out = carry
+        x, kcs, vcs = layer_pass(_embedding_row(embedding, tok), p, kcs, vcs)
+        logits = classifier.__wrapped__(c, x, rms_final_weight, wcls)
+        finite = jnp.all(jnp.isfinite(logits))
+        nxt = sample_on_device(logits, kind, temperature, top_p, coins[i])
+        # Non-finite logits record nothing and stop: the host reports them.
+        out = jnp.where(finite, out.at[i].set(nxt), out)
+        stopped = ~finite | jnp.any(nxt == stop_ids)
+        return i + finite.astype(jnp.int32), nxt, p + 1, kcs, vcs, stopped, out
+
+    init = (
+        jnp.int32(0), token.astype(jnp.int32), pos.astype(jnp.int32), tuple(key_caches),
+        tuple(value_caches), jnp.bool_(False), jnp.full((n_steps,), -1, jnp.int32),
+    )
+    count, _, _, key_caches, value_caches, _, out = jax.lax.while_loop(cond, body, init)
+    last = out[jnp.maximum(count - 1, 0)]
+    finite = (count == n) | ((count > 0) & jnp.any(last == stop_ids))
+    return out, count, finite, key_caches, value_caches
