@@ -1,0 +1,584 @@
+"""The `jllama` command: absl flags wired to the library.
+
+With no flags it tells a story from the embedded stories260K model, as llama2.c's `run` does.
+Presets live in `configs/` and are passed with `--flagfile`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags, logging
+
+from jllama import runtime
+from jllama.backends import backend_names, make_backend
+from jllama.chat import ChatTemplate
+from jllama.conversation import ContextFullError, Conversation
+from jllama.errors import ChatError, JllamaError
+from jllama.fetch import KNOWN_MODELS, fetch
+from jllama.files import require_regular_file
+from jllama.generate import Generation, GenerationStats, resolve_steps
+from jllama.loading import open_model, required_memory
+from jllama.sampling import Sampler, restrict_to_vocabulary
+from jllama.weights import tensor_stats
+
+FLAGS = flags.FLAGS
+_F32_MAX = 3.4028234663852886e38
+
+flags.DEFINE_string(
+    "checkpoint",
+    None,
+    "Model file: a llama2.c checkpoint (.bin, version 0) or a GGUF file (.gguf), or the name "
+    "of a fetched model (smollm2). Default: the embedded stories260K.",
+)
+flags.DEFINE_string(
+    "tokenizer",
+    None,
+    "llama2.c tokenizer file (llama2.c checkpoints; a GGUF file carries its own). Default: tok<vocab_size>.bin or tokenizer.bin beside the "
+    "checkpoint, else (for vocab_size 512) the embedded tok512.bin.",
+)
+flags.DEFINE_float(
+    "temperature", 1.0, "Sampling temperature; 0 = greedy (argmax).", lower_bound=0.0
+)
+flags.DEFINE_float(
+    "top_p",
+    0.9,
+    "Nucleus sampling threshold in [0, 1]; 0 or 1 = sample from the whole distribution.",
+    lower_bound=0.0,
+    upper_bound=1.0,
+)
+flags.DEFINE_integer(
+    "steps",
+    256,
+    "generate: positions to run, prompt included (tokens); < 1 or > seq_len means seq_len. "
+    "chat: the most tokens of one reply; < 1 = until the context is full.",
+)
+flags.DEFINE_string(
+    "prompt", "", "generate: the text to continue. chat: the first user message (then stdin)."
+)
+flags.DEFINE_enum(
+    "mode",
+    "generate",
+    ["generate", "chat"],
+    "generate: raw completion of --prompt. chat: a conversation read from stdin, one message "
+    "per line, rendered with the model's chat template; replies stop at the end-of-turn token.",
+)
+flags.DEFINE_string(
+    "system_prompt", "", "chat: the system message (empty: the chat template's default)."
+)
+flags.DEFINE_integer(
+    "seq_len",
+    0,
+    "Context to allocate the KV cache for (tokens), at most the model's; 0 = the model's.",
+    lower_bound=0,
+)
+flags.DEFINE_bool(
+    "parse_special",
+    False,
+    "Let special-token text in --prompt (e.g. <|im_start|>) become the special token, as "
+    "llama.cpp's llama-tokenize does; by default it stays plain text.",
+)
+flags.DEFINE_enum(
+    "dtype",
+    "auto",
+    ["auto", "float32", "bfloat16", "int8"],
+    "Type to hold the weight matrices in: auto = as read (float32 for llama2.c and GGUF files, "
+    "the stored type for Hugging Face folders); bfloat16 halves the memory; int8 quarters it "
+    "(one float32 scale per row; see README for its speed and accuracy).",
+)
+flags.DEFINE_enum(
+    "decode",
+    "graph",
+    ["graph", "fused", "loop"],
+    "jax backend: graph = three compiled programs per layer (the default); fused = one program "
+    "for all layers per token; loop = 16 tokens per program call, sampled on the device "
+    "(temperature/top_p/seed sampling only). See README for which is faster where.",
+)
+flags.DEFINE_enum(
+    "prefill",
+    "chunked",
+    ["chunked", "token"],
+    "How the prompt goes through the model: chunked = batched chunks of tokens through each "
+    "layer (jax backend); token = one position at a time, as run.c.",
+)
+flags.DEFINE_bool("pieces", False, "tokenize: print each id with its text, one per line.")
+flags.DEFINE_bool(
+    "force",
+    False,
+    "fetch: download again even if the cached file verifies. convert: write settings a "
+    "llama2.c file cannot hold (norm_eps, rope_theta, rope_scaling), which run.c then ignores.",
+)
+flags.DEFINE_string("output", None, "convert: the llama2.c checkpoint file to write.")
+flags.DEFINE_enum(
+    "llama2c_version",
+    "1",
+    ["0", "1", "2"],
+    "convert: llama2.c format version: 0 (legacy, run.c), 1 (float32, export.py), 2 (Q8_0, "
+    "runq.c).",
+)
+flags.DEFINE_integer(
+    "group_size", 64, "convert: Q8_0 group size for version 2 (halved until it fits).",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "seed",
+    None,
+    "Seed of run.c's xorshift sampler; absent or 0 = from the clock (printed to stderr).",
+    lower_bound=0,
+    upper_bound=2**64 - 1,
+)
+flags.DEFINE_enum("backend", "jax", list(backend_names()), "Model implementation.")
+flags.DEFINE_integer(
+    "threads",
+    0,
+    "CPU threads for XLA (the process is pinned to that many cores); 0 = all.",
+    lower_bound=0,
+)
+flags.DEFINE_bool(
+    "verify_checkpoint",
+    False,
+    "Print shape, min, max, mean and finiteness of every tensor and exit (1 if any value "
+    "is not finite).",
+)
+flags.DEFINE_enum(
+    "output_format",
+    "text",
+    ["text", "json"],
+    "text: stream the story as run.c prints it; json: one object with the ids, the text and "
+    "the rates.",
+)
+
+flags.register_validator(
+    "temperature",
+    lambda t: math.isfinite(t) and t <= _F32_MAX,
+    message="must be a finite number no larger than 3.4e38 (a float32)",
+)
+flags.register_validator("top_p", lambda p: math.isfinite(p), message="must be a finite number")
+flags.register_validator(
+    "threads",
+    lambda n: n <= runtime.available_cpus(),
+    message=f"exceeds the {runtime.available_cpus()} CPUs available",
+)
+for _name in ("checkpoint", "tokenizer"):
+    flags.register_validator(_name, lambda v: v is None or v != "", message="is empty")
+
+
+def _verify(weights) -> int:
+    ok = True
+    print(f"{'tensor':<24} {'shape':<20} {'min':>12} {'max':>12} {'mean':>12}  finite")
+    for s in tensor_stats(weights):
+        finite = "yes" if s.finite else f"NO ({s.n_nonfinite} values)"
+        ok &= s.finite
+        print(
+            f"{s.name:<24} {str(list(s.shape)):<20} {s.min:>12.6g} {s.max:>12.6g} "
+            f"{s.mean:>12.6g}  {finite}"
+        )
+    return 0 if ok else 1
+
+
+def _rates(stats: GenerationStats) -> str:
+    return (
+        f"achieved tok/s: prefill {stats.prefill_tok_s:.1f} "
+        f"({stats.prompt_tokens} tokens, {stats.prefill_seconds:.3f} s), "
+        f"decode {stats.decode_tok_s:.1f} "
+        f"({stats.decode_steps} tokens, {stats.decode_seconds:.3f} s)"
+    )
+
+
+def main(argv: list[str]) -> int:
+    if not FLAGS["verbosity"].present:
+        # absl logs at INFO by default, which prints JAX's platform probing on every run.
+        logging.set_verbosity(logging.WARNING)
+    command, args = (argv[1], argv[2:]) if len(argv) > 1 else (None, [])
+    if command == "fetch":
+        return _fetch(args)
+    if command == "tokenize":
+        _no_arguments("tokenize", args)
+        return _tokenize()
+    if command == "convert":
+        _no_arguments("convert", args)
+        return _convert()
+    if command is not None:
+        raise JllamaError(
+            f"unexpected argument {command!r} (commands: fetch, tokenize, convert; flags take the form "
+            "--name=value)"
+        )
+    if FLAGS.threads:
+        runtime.limit_cpu_threads(FLAGS.threads)
+    model = open_model(
+        FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None,
+        need_tokenizer=not FLAGS.verify_checkpoint,
+        dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype,
+    )
+    config, tokenizer = model.config, model.tokenizer
+    if FLAGS.verify_checkpoint:
+        return _verify(model.weights)
+    if FLAGS.mode == "chat" and FLAGS.output_format != "text":
+        raise JllamaError("--output_format=json is for --mode=generate; chat mode prints text")
+    if FLAGS.mode == "chat" and not model.chat_template:
+        raise JllamaError(
+            f"--mode=chat needs a model with a chat template; {model.source} has none "
+            "(try --checkpoint=smollm2 after `jllama fetch smollm2`)"
+        )
+    prompt_ids = []
+    if FLAGS.mode == "generate":
+        _warn_invalid_utf8(FLAGS.prompt, tokenizer)
+        prompt_ids = tokenizer.encode(FLAGS.prompt, parse_special=FLAGS.parse_special)
+        if not prompt_ids:
+            raise JllamaError(
+                f"--prompt is empty and {model.source} adds no BOS token: give a --prompt"
+            )
+        if len(prompt_ids) > config.seq_len:
+            raise JllamaError(
+                f"--prompt is {len(prompt_ids)} tokens, longer than the context "
+                f"(seq_len={config.seq_len})"
+            )
+    sampler = Sampler(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or None)
+    seed = sampler.config.seed
+    if tokenizer.vocab_size < config.vocab_size:
+        # A padded vocabulary (more model rows than tokens): ids with no token are never drawn.
+        sampler = restrict_to_vocabulary(sampler, tokenizer.vocab_size)
+    if FLAGS.temperature > 0 and not FLAGS.seed:
+        print(f"jllama: seed {seed} (repeat with --seed={seed})", file=sys.stderr)
+
+    print(f"jllama: {required_memory(model)}", file=sys.stderr)
+    options = {"decode": FLAGS.decode} if FLAGS.backend == "jax" else {}
+    backend = make_backend(FLAGS.backend, **options)
+    if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
+        runtime.check_kv_cache_fits(config)
+    backend.prepare(config, model.weights)
+    decode_loop = _loop_of(backend, sampler, tokenizer, config)
+    if FLAGS.mode == "chat":
+        return _chat(model, backend, sampler, decode_loop)
+
+    steps = resolve_steps(FLAGS.steps, config.seq_len)
+    if len(prompt_ids) > steps:
+        print(
+            f"jllama: warning: the prompt ({len(prompt_ids)} tokens) is longer than "
+            f"--steps={steps}; nothing will be generated",
+            file=sys.stderr,
+        )
+    generation = Generation(
+        backend.forward, prompt_ids, sampler, steps, stop_ids=tuple(tokenizer.stop_ids),
+        prefill=_prefill_of(backend), decode_loop=decode_loop,
+    )
+
+    if FLAGS.output_format == "json":
+        for _ in generation:
+            pass
+        stats = generation.stats
+        result = {
+            # A prompt from undecodable argv bytes holds surrogates, which JSON can't carry.
+            "prompt": FLAGS.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
+            "prompt_ids": generation.prompt_ids,
+            "generated_ids": generation.generated_ids,
+            "text": tokenizer.decode(generation.generated_ids, prev=prompt_ids[-1]),
+            "backend": backend.name,
+            "seed": seed,
+            "temperature": FLAGS.temperature,
+            "top_p": FLAGS.top_p,
+            "steps": steps,
+            "seq_len": config.seq_len,
+            "prefill_tok_s": stats.prefill_tok_s,
+            "decode_tok_s": stats.decode_tok_s,
+            "prefill_seconds": stats.prefill_seconds,
+            "decode_seconds": stats.decode_seconds,
+            "compile_seconds": getattr(backend, "compile_seconds", 0.0),
+        }
+        print(json.dumps(result), flush=True)
+        return 0
+
+    decoder = tokenizer.stream_decoder()
+    out = sys.stdout
+    # A GGUF model's prompt is echoed as typed (llama.cpp does the same), its bytes exactly,
+    # once the model has produced something (a broken model prints only its error); llama2.c's
+    # run prints the prompt's decoded pieces, which the decoder reproduces.
+    echo = model.file_format == "gguf"
+    for token in generation:
+        if model.file_format == "gguf" and not token.sampled:
+            continue
+        if echo:
+            _write_raw(out, FLAGS.prompt)
+            echo = False
+        out.write(decoder.push(token.prev, token.id))
+        out.flush()
+    if echo:
+        _write_raw(out, FLAGS.prompt)
+    out.write(decoder.flush() + "\n")
+    out.flush()
+    print(_rates(generation.stats), file=sys.stderr)
+    return 0
+
+
+def _prefill_of(backend):
+    """The backend's batched prefill when --prefill=chunked and it has one, else None."""
+    return getattr(backend, "prefill", None) if FLAGS.prefill == "chunked" else None
+
+
+def _write_raw(out, text: str) -> None:
+    """Write `text` with any undecodable argv bytes (surrogate escapes) as those bytes."""
+    out.flush()
+    out.buffer.write(text.encode("utf-8", "surrogateescape"))
+    out.buffer.flush()
+
+
+def _warn_invalid_utf8(text: str, tokenizer) -> None:
+    if not hasattr(tokenizer, "merges"):
+        return  # llama2.c's byte fallback keeps every byte
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        print(
+            "jllama: warning: --prompt is not valid UTF-8; bytes the vocabulary has no token "
+            "for are dropped, as llama.cpp does",
+            file=sys.stderr,
+        )
+
+
+def _no_arguments(command: str, args: list[str]) -> None:
+    if args:
+        raise JllamaError(f"{command}: unexpected argument {args[0]!r} (flags take the form --name=value)")
+
+
+def _fetch(args: list[str]) -> int:
+    if len(args) != 1:
+        known = "; ".join(f"{m.name}: {m.description}" for m in KNOWN_MODELS.values())
+        raise JllamaError(f"usage: jllama fetch NAME, one model at a time (known models: {known})")
+    path = fetch(args[0], progress=True, force=FLAGS.force)
+    print(path, flush=True)
+    return 0
+
+
+def _convert() -> int:
+    if not FLAGS.checkpoint or not FLAGS.output:
+        raise JllamaError("convert needs --checkpoint=SOURCE and --output=FILE.bin")
+    from jllama.convert import convert
+
+    try:
+        report = convert(
+            FLAGS.checkpoint, FLAGS.output, version=int(FLAGS.llama2c_version),
+            group_size=FLAGS.group_size, force=FLAGS.force,
+            exact_group_size=FLAGS["group_size"].present,
+        )
+    except JllamaError as e:
+        raise type(e)(str(e).replace("force=True", "--force")) from None
+    line = (
+        f"wrote {report.destination}: llama2.c version {report.version}, "
+        f"{report.nbytes} bytes, from {report.source_format} {report.source}"
+    )
+    if report.version == 2:
+        line += (
+            f"; Q8_0 group size {report.group_size}, max quantization error "
+            f"{report.max_quantization_error:.3g}"
+        )
+    print(line, flush=True)
+    return 0
+
+
+def _tokenize() -> int:
+    model = open_model(FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None)
+    tokenizer = model.tokenizer
+    _warn_invalid_utf8(FLAGS.prompt, tokenizer)
+    ids = tokenizer.encode(FLAGS.prompt, parse_special=FLAGS.parse_special)
+    if not FLAGS.pieces:
+        print(ids, flush=True)
+        return 0
+    for token in ids:
+        print(f"{token:>6} -> {tokenizer.piece(token)!r}")
+    sys.stdout.flush()
+    return 0
+
+
+def _read_message(interactive: bool) -> str | None:
+    """One user message from stdin: a line, or several joined by a trailing backslash
+    (llama.cpp's convention). None at end of input."""
+    lines = []
+    while True:
+        if interactive:
+            print("> " if not lines else "  ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return "\n".join(lines) if lines else None
+        line = line.rstrip("\n")
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+def _loop_of(backend, sampler, tokenizer, config):
+    """The on-device decode loop for --decode=loop (jax backend), else None."""
+    if FLAGS.decode != "loop" or not hasattr(backend, "decode_loop"):
+        return None
+    if tokenizer.vocab_size < config.vocab_size:
+        _fail(
+            f"--decode=loop: the model has {config.vocab_size} logits and its tokenizer "
+            f"{tokenizer.vocab_size} tokens; the device sampler cannot skip the padding: use "
+            "--decode=graph"
+        )
+    from jllama.device_loop import loop_decoder
+
+    return loop_decoder(backend, sampler, tokenizer.stop_ids)
+
+
+def _chat(model, backend, sampler, decode_loop=None) -> int:
+    tokenizer = model.tokenizer
+    try:
+        template = ChatTemplate(
+            model.chat_template,
+            bos_token=tokenizer.decode([tokenizer.bos_id], special=True),
+            eos_token=tokenizer.decode([tokenizer.eos_id], special=True),
+        )
+    except ChatError as e:
+        raise ChatError(f"{model.source}: {e}") from None
+    conversation = Conversation(
+        backend.forward, tokenizer, template, model.config.seq_len,
+        system_prompt=FLAGS.system_prompt or None, prefill=_prefill_of(backend),
+        decode_loop=decode_loop,
+    )
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(
+            "jllama: chat mode: type a message and press Enter (end a line with \\ to go on "
+            "to the next; Ctrl-D ends the chat, Ctrl-C stops jllama at once)",
+            file=sys.stderr,
+        )
+    pending = FLAGS.prompt or None
+    out = sys.stdout
+    while True:
+        text = pending if pending is not None else _read_message(interactive)
+        pending = None
+        if text is None:
+            break
+        if not text.strip():
+            continue
+        decoder = tokenizer.stream_decoder()
+        try:
+            for token in conversation.say(text, sampler, max_tokens=FLAGS.steps):
+                out.write(decoder.push(token.prev, token.id))
+                out.flush()
+        except ChatError as e:
+            raise ChatError(f"{model.source}: {e}") from None
+        except ContextFullError as e:
+            if conversation.last is None:  # nothing could be answered: the settings are wrong
+                raise JllamaError(f"{e}: give a larger --seq_len") from None
+            print(f"jllama: context full: {e}; ending the chat", file=sys.stderr)
+            return 0
+        out.write(decoder.flush() + "\n")
+        out.flush()
+        turn = conversation.last
+        if interactive or FLAGS.verbosity > 0:
+            print(_rates(turn.generation.stats), file=sys.stderr)
+        if turn.stop_reason == "context":
+            print(
+                f"jllama: context full: the reply reached seq_len={model.config.seq_len} "
+                "tokens; ending the chat (a larger --seq_len holds more)",
+                file=sys.stderr,
+            )
+            return 0
+    return 0
+
+
+def _fail(message: str, status: int = 1):
+    # One line, whatever the message holds (a path with a newline, a multi-line library error).
+    one_line = " ".join(str(message).split("\n"))
+    print(f"jllama: error: {one_line}", file=sys.stderr)
+    sys.exit(status)
+
+
+_HELP = {"-h", "--help", "-help", "--helpshort", "-?"}
+_USAGE = """usage: jllama [--flag=value ...]
+       jllama fetch NAME                      download a known model (smollm2) into the cache
+       jllama tokenize --prompt=TEXT [--pieces] [--parse_special] [--checkpoint=...]
+       jllama convert --checkpoint=SOURCE --output=FILE.bin [--llama2c_version=1|2|0]
+
+Generates text with a Llama model from a llama2.c checkpoint or a GGUF file.
+With no flags it tells a story from the embedded stories260K model, as llama2.c's run does.
+
+  jllama --temperature=0 --steps=200         greedy: the same story every time
+  jllama --prompt="Lily and Tom" --seed=42   a sampled story you can repeat
+  jllama --flagfile=configs/greedy.flags     a preset
+  jllama fetch smollm2 && jllama --checkpoint=smollm2 --mode=chat
+                                             chat with SmolLM2-135M-Instruct"""
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with one-line errors and a --help that lists jllama's flags and exits 0."""
+    if any(arg in _HELP for arg in argv[1:]):
+        _print_and_exit(
+            _USAGE + "\n\n" + FLAGS.module_help(sys.modules[__name__])
+            + "\n\n--helpfull lists absl's own flags too."
+        )
+    if "--helpfull" in argv[1:]:
+        _print_and_exit(FLAGS.get_help())
+    for arg in argv[1:]:
+        # A FIFO given as a flagfile would block absl's read forever: refuse it up front.
+        if arg.startswith(("--flagfile=", "-flagfile=")):
+            path = arg.split("=", 1)[1]
+            if path:
+                try:
+                    require_regular_file(Path(path), f"--flagfile={path}", JllamaError)
+                except JllamaError as e:
+                    _fail(str(e))
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e).removeprefix("ERROR:: "))  # absl's prefix for flagfile errors
+    except UnicodeDecodeError as e:
+        _fail(f"a --flagfile is not UTF-8 text ({e.reason} at byte {e.start})")
+
+
+def _print_and_exit(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `jllama --help | head`
+        _silence_stdout()
+    sys.exit(0)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _main(argv: list[str]) -> None:
+    try:
+        sys.exit(main(argv))
+    except JllamaError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (e.g. `jllama | head`): stop quietly, as a filter should.
+        _silence_stdout()
+        sys.exit(0)
+    except OSError as e:
+        _silence_stdout()
+        _fail(f"cannot write the output: {e.strerror or e}")
+    except Exception as e:
+        if os.environ.get("JLLAMA_DEBUG"):
+            raise
+        _fail(f"internal error: {type(e).__name__}: {e} (JLLAMA_DEBUG=1 shows the traceback)", 2)
+
+
+def run() -> None:
+    """Run the command (the console script goes through `jllama.__main__.run`)."""
+    for name in ("stdin", "stdout", "stderr"):
+        if getattr(sys, name) is None:  # started with that stream closed
+            setattr(sys, name, open(os.devnull, "r" if name == "stdin" else "w"))
+    # A terminal that cannot show a character gets a replacement mark, not a crash.
+    sys.stdout.reconfigure(errors="replace")
+    app.run(_main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()
