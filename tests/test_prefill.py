@@ -96,7 +96,7 @@ def test_prefill_compiles_only_the_fixed_chunk_shapes(gqa):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     windows = sorted({attention_window(config.seq_len, p) for p in range(config.seq_len)})
-    assert windows == [256, 512, 600]
+    assert windows == [256, 512, 768]  # 3 blocks of 256 hold the 600 positions
     for program in ("qkv_chunk", "block_chunk", "classifier_last"):
         assert compiled.count(f"jit({program})") == len(PREFILL_CHUNKS), compiled
     # Each chunk size meets each window; the decode attention (the < 8 leftover tokens) too,
@@ -127,10 +127,12 @@ def test_fused_decode_gives_the_same_logits_and_story(gqa, stories260k):
     graph, fused = make_backend("jax"), make_backend("jax", decode="fused")
     graph.prepare(config, weights)
     fused.prepare(config, weights)
+    # The fused program adds this position's own score and value outside the cache blocks:
+    # the same sums in another order.
     for pos, t in enumerate(tokens):  # crosses the 256-position window
-        np.testing.assert_array_equal(fused.forward(t, pos), graph.forward(t, pos))
+        np.testing.assert_allclose(fused.forward(t, pos), graph.forward(t, pos), atol=1e-5)
     # A conversation's rewind: position 10 again, then on.
-    np.testing.assert_array_equal(fused.forward(7, 10), graph.forward(7, 10))
+    np.testing.assert_allclose(fused.forward(7, 10), graph.forward(7, 10), atol=1e-5)
 
     b = make_backend("jax", decode="fused")
     b.prepare(*stories260k)

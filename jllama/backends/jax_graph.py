@@ -4,7 +4,8 @@ Per token: the embedding row goes to the device, then for each layer the `qkv`, 
 `block` programs run with that layer's arrays, then `classifier`. The four programs are traced
 and compiled once (in `prepare`, by a warm-up step) and replayed for every layer and token;
 `attention` is compiled once more for each longer window the context grows into
-(`graphs.attention_window`: 256, 512, 1024, ... positions).
+(`graphs.attention_window`: 256, 512, 1024, ... positions). Each layer's KV cache is a list of
+blocks of 256 positions (`graphs.attention`), passed whole to the programs.
 """
 
 from __future__ import annotations
@@ -97,9 +98,18 @@ class JaxGraphBackend:
             (host.layers, host.rms_final_weight, host.wcls), self.device
         )
         self.inv_freq = jax.device_put(rope_frequencies(config), self.device)
-        shape = (config.n_kv_heads, config.seq_len, config.head_dim)
-        self.key_cache = [jnp.zeros(shape, jnp.float32, device=self.device) for _ in self.layers]
-        self.value_cache = [jnp.zeros(shape, jnp.float32, device=self.device) for _ in self.layers]
+        # Per layer, a list of cache blocks (`jllama.graphs.attention`): whole arrays, so no
+        # program ever copies a window out of a larger cache.
+        self.block_length = graphs.block_length(config.seq_len)
+        shape = (config.n_kv_heads, self.block_length, config.head_dim)
+        count = graphs.n_blocks(config.seq_len)
+
+        def blocks():
+            return [jnp.zeros(shape, jnp.float32, device=self.device) for _ in range(count)]
+
+        self.key_cache = [blocks() for _ in self.layers]
+        self.value_cache = [blocks() for _ in self.layers]
+        self._zero_block = jnp.zeros(shape, jnp.float32, device=self.device)
         start = time.perf_counter()
         # Warm-up: traces and compiles all four programs. Harmless to the sequence that follows:
         # position 0 is rewritten by the first real step and later positions are masked.
@@ -127,18 +137,22 @@ class JaxGraphBackend:
         check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)  # the last position
         for t in tokens:
             check_token_pos(config, t, start_pos)
-        i, pos, x = 0, start_pos, None
-        while len(tokens) - i >= PREFILL_CHUNKS[-1]:
-            size = next(n for n in PREFILL_CHUNKS if len(tokens) - i >= n)
-            x = self._prefill_chunk(tokens[i:i + size], pos)
-            i += size
-            pos += size
-        if i == len(tokens):
-            logits = graphs.classifier_last(config, x, self.rms_final_weight, self.wcls)
-            return np.asarray(logits)
-        for token in tokens[i:]:
-            logits = self.forward(token, pos)
-            pos += 1
+        logits, x = None, None
+        pos, end = start_pos, start_pos + len(tokens)
+        while pos < end:
+            # A chunk never crosses a cache block boundary (it writes into one block).
+            room = min(end - pos, self.block_length - pos % self.block_length)
+            size = next((n for n in PREFILL_CHUNKS if n <= room), 0)
+            if size:
+                x = self._prefill_chunk(tokens[pos - start_pos:pos - start_pos + size], pos)
+                logits = None
+                pos += size
+            else:
+                logits = self.forward(tokens[pos - start_pos], pos)
+                x = None
+                pos += 1
+        if logits is None:
+            logits = np.asarray(graphs.classifier_last(config, x, self.rms_final_weight, self.wcls))
         return logits
 
     def _prefill_chunk(self, chunk: list[int], pos: int) -> jax.Array:
@@ -146,15 +160,15 @@ class JaxGraphBackend:
         rows = embedding_rows(self.token_embedding_table, np.asarray(chunk))
         x = jax.device_put(rows, self.device)
         pos_arr = jax.device_put(np.int32(pos), self.device)
-        window = graphs.attention_window(config.seq_len, pos + len(chunk) - 1)
+        k = graphs.attention_blocks(config.seq_len, pos + len(chunk) - 1)
+        b = pos // self.block_length
         for l, layer in enumerate(self.layers):
-            q, self.key_cache[l], self.value_cache[l] = graphs.qkv_chunk(
-                config, x, layer.rms_att_weight, layer.wqkv, self.key_cache[l],
-                self.value_cache[l], pos_arr, self.inv_freq,
+            keys, values = self.key_cache[l], self.value_cache[l]
+            q, keys[b], values[b] = graphs.qkv_chunk(
+                config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
+                self.inv_freq,
             )
-            att = graphs.attention_chunk(
-                config, q, self.key_cache[l], self.value_cache[l], pos_arr, window=window
-            )
+            att = graphs.attention_chunk(config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr)
             x = graphs.block_chunk(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
             )
@@ -199,7 +213,8 @@ class JaxGraphBackend:
             raise ValueError(f"decode_loop needs n >= 1, got {n}")
         if kind not in graphs.SAMPLING_KINDS:
             raise ValueError(f"kind={kind!r}; known: {', '.join(graphs.SAMPLING_KINDS)}")
-        n = min(n, LOOP_CHUNK, config.seq_len - pos)
+        # All positions of one call in one cache block (see `jllama.graphs.loop`).
+        n = min(n, LOOP_CHUNK, config.seq_len - pos, self.block_length - pos % self.block_length)
         draws = np.zeros(LOOP_CHUNK, np.float32)
         if kind != "greedy":
             if coins is None or len(coins) < n:
@@ -211,26 +226,34 @@ class JaxGraphBackend:
         # A fixed-size array (padded with -1, never sampled): one compiled shape.
         stops = np.full(LOOP_STOP_IDS, -1, np.int32)
         stops[: len(stop_ids)] = stop_ids
-        window = graphs.attention_window(config.seq_len, pos + n - 1)
+        k = graphs.attention_blocks(config.seq_len, pos + n - 1)
+        cur = pos // self.block_length
         if self._loop_embedding is None:
             shared = self.token_embedding_table is self._host_wcls
             self._loop_embedding = (
                 self.wcls if shared else jax.device_put(self.token_embedding_table, self.device)
             )
         wcls = self.wcls
+        def others(blocks):  # the first k blocks, zeros in the current one's slot
+            return tuple(self._zero_block if i == cur else blocks[i] for i in range(k))
+
         out, count, finite, keys, values = graphs.decode_loop(
             config, np.int32(token), np.int32(pos), np.int32(n), self._loop_embedding,
-            self.layers, tuple(self.key_cache), tuple(self.value_cache), self.inv_freq,
+            self.layers, tuple(kc[cur] for kc in self.key_cache),
+            tuple(vc[cur] for vc in self.value_cache),
+            tuple(others(kc) for kc in self.key_cache),
+            tuple(others(vc) for vc in self.value_cache), np.int32(cur), self.inv_freq,
             self.rms_final_weight, wcls, np.float32(temperature), np.float32(top_p),
-            draws, stops,
-            window=window, n_steps=LOOP_CHUNK, kind=kind,
+            draws, stops, n_steps=LOOP_CHUNK, kind=kind,
         )
-        self.key_cache, self.value_cache = list(keys), list(values)
+        for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,
+                                      strict=True):
+            kc[cur], vc[cur] = key, value
         count = int(count)
         return [int(t) for t in np.asarray(out)[:count]], bool(finite)
 
     def compile_loop(self, kind: str = "greedy") -> float:
-        """Compile `decode_loop` for `kind` and the first attention window, by running it once
+        """Compile `decode_loop` for `kind` and the first cache block, by running it once
         at position 0 (harmless before a sequence starts: position 0 is rewritten by the first
         real step; do not call it in the middle of one). Returns the seconds it took (also
         added to `compile_seconds`). Longer windows compile when the context reaches them."""
@@ -248,25 +271,29 @@ class JaxGraphBackend:
         token, pos = check_token_pos(config, token, pos)
         x = jax.device_put(embedding_rows(self.token_embedding_table, token), self.device)
         pos_arr = jax.device_put(np.int32(pos), self.device)
-        window = graphs.attention_window(config.seq_len, pos)
+        k = graphs.attention_blocks(config.seq_len, pos)
+        b = pos // self.block_length
         if self.decode == "fused":
             logits, new_k, new_v = graphs.decode_step(
-                config, x, self.layers, tuple(self.key_cache), tuple(self.value_cache), pos_arr,
-                self.inv_freq, self.rms_final_weight, self.wcls, window=window,
+                config, x, self.layers, tuple(tuple(kc[:k]) for kc in self.key_cache),
+                tuple(tuple(vc[:k]) for vc in self.value_cache), pos_arr, self.inv_freq,
+                self.rms_final_weight, self.wcls,
             )
             keys, values = graphs.write_caches(
-                config, tuple(self.key_cache), tuple(self.value_cache), new_k, new_v, pos_arr
+                config, tuple(kc[b] for kc in self.key_cache),
+                tuple(vc[b] for vc in self.value_cache), new_k, new_v, pos_arr,
             )
-            self.key_cache, self.value_cache = list(keys), list(values)
+            for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,
+                                          strict=True):
+                kc[b], vc[b] = key, value
             return np.asarray(logits)
         for l, layer in enumerate(self.layers):
-            q, self.key_cache[l], self.value_cache[l] = graphs.qkv(
-                config, x, layer.rms_att_weight, layer.wqkv, self.key_cache[l],
-                self.value_cache[l], pos_arr, self.inv_freq,
+            keys, values = self.key_cache[l], self.value_cache[l]
+            q, keys[b], values[b] = graphs.qkv(
+                config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
+                self.inv_freq,
             )
-            att = graphs.attention(
-                config, q, self.key_cache[l], self.value_cache[l], pos_arr, window=window
-            )
+            att = graphs.attention(config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr)
             x = graphs.block(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
             )

@@ -6,8 +6,8 @@ same compiled executable and `pos` (a traced int32 scalar) never causes a retrac
 slice layer-stacked weights: XLA CPU would copy the slice before the dot.
 
   qkv        attention RMSNorm + stacked QKV product + RoPE + KV-cache write (caches donated)
-  attention  masked causal attention over a window of the cache (one compiled program per
-             window length bucket)
+  attention  masked causal attention over the first blocks of the cache (one compiled
+             program per block-count bucket; the cache is a tuple of blocks per layer)
   block      wo + residual + FFN RMSNorm + SwiGLU + residual
   classifier final RMSNorm + wcls
 
@@ -19,7 +19,13 @@ program for all layers per token) and `loop.py` (`decode_loop`: a chunk of token
 on-device loop, sampled on the device by `sample_on_device`).
 """
 
-from jllama.graphs.attention import attention, attention_window
+from jllama.graphs.attention import (
+    attention,
+    attention_blocks,
+    attention_window,
+    block_length,
+    n_blocks,
+)
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.fused import decode_step, write_caches
@@ -42,7 +48,10 @@ __all__ = [
     "SAMPLING_KINDS",
     "attention",
     "attention_chunk",
+    "attention_blocks",
     "attention_window",
+    "block_length",
+    "n_blocks",
     "block",
     "block_chunk",
     "classifier",

@@ -1,6 +1,17 @@
-"""Compiled program 2 of the decode step: masked causal attention over a window of the
-fixed-size cache: its first `window` positions, with `window` one of a few power-of-two length
-buckets (`attention_window`)."""
+"""Compiled program 2 of the decode step: masked causal attention over the first blocks of a
+layer's KV cache, and the cache's block layout that the other programs share.
+
+The cache of a layer is a tuple of `n_blocks(seq_len)` separate arrays ("blocks") of
+f32[n_kv_heads, block_length(seq_len), head_dim] each, positions `b * B .. (b + 1) * B - 1`
+in block b. Attention at `pos` reads the first `attention_blocks(seq_len, pos)` blocks, a
+power of two of them, so a context compiles at most 1 + log2(n_blocks) attention programs
+and a step reads at most twice the positions in use.
+
+Why blocks, not one array per layer sliced to a window: the matrix products of XLA CPU take
+whole buffers, so `cache[:, :window]` became a copy of the window before every product:
+60 copies a token for SmolLM2, 5.2 of its ~28 ms (profiled in JAX 0.10 on this 2-core
+machine, bench/NOTES.md). A block passed as an argument is a whole buffer: nothing is copied.
+"""
 
 from __future__ import annotations
 
@@ -13,63 +24,120 @@ from jllama.config import ModelConfig
 from jllama.graphs.ops import PRECISION
 
 MIN_WINDOW = 256
-"""The smallest attention window, positions: short contexts share one compiled program."""
+"""Positions per cache block (fewer when seq_len is shorter): the smallest attention window."""
 
 
-def attention_window(seq_len: int, pos: int, min_window: int = MIN_WINDOW) -> int:
-    """The cache positions the attention step at `pos` reads: the smallest of min_window,
-    2 * min_window, 4 * min_window, ... that exceeds `pos`, capped at `seq_len`.
-
-    Each distinct window is one compiled attention program, so a context of seq_len tokens
-    compiles at most 1 + log2(seq_len / min_window) of them, while a step reads at most twice
-    the positions in use instead of the whole cache.
-    """
-    window = min_window
-    while window <= pos:
-        window *= 2
-    return min(window, seq_len)
+def block_length(seq_len: int, min_window: int = MIN_WINDOW) -> int:
+    """Positions per cache block: min(MIN_WINDOW, seq_len)."""
+    return min(min_window, seq_len)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("window",))
+def n_blocks(seq_len: int) -> int:
+    """Blocks in a layer's cache: ceil(seq_len / block_length); the cache holds
+    n_blocks * block_length >= seq_len positions (those >= seq_len are never written)."""
+    b = block_length(seq_len)
+    return -(-seq_len // b)
+
+
+def attention_blocks(seq_len: int, pos: int) -> int:
+    """How many leading cache blocks attention at `pos` reads: the smallest power of two whose
+    blocks hold position `pos`, capped at `n_blocks(seq_len)`."""
+    needed = pos // block_length(seq_len) + 1
+    k = 1
+    while k < needed:
+        k *= 2
+    return min(k, n_blocks(seq_len))
+
+
+def attention_window(seq_len: int, pos: int) -> int:
+    """The cache positions attention at `pos` reads: `attention_blocks * block_length`
+    (256, 512, 1024, ... for a long context)."""
+    return attention_blocks(seq_len, pos) * block_length(seq_len)
+
+
+def block_scores(qg: jax.Array, key_blocks, spec: str) -> jax.Array:
+    """Scores of queries against each block's keys, concatenated along the positions (last
+    axis). spec: the einsum of one block, e.g. "gmd,gsd->gms"."""
+    return jnp.concatenate(
+        [jnp.einsum(spec, qg, kb, precision=PRECISION) for kb in key_blocks], axis=-1
+    )
+
+
+def block_weighted_sum(weights: jax.Array, value_blocks, spec: str) -> jax.Array:
+    """Sum over the blocks of weights (last axis: the positions of all blocks, in order) times
+    each block's values. spec: the einsum of one block, e.g. "gms,gsd->gmd"."""
+    size = value_blocks[0].shape[1]
+    out = None
+    for b, vb in enumerate(value_blocks):
+        part = jnp.einsum(spec, weights[..., b * size:(b + 1) * size], vb, precision=PRECISION)
+        out = part if out is None else out + part
+    return out
+
+
+def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax.Array):
+    """The attention formula over blocks (traced; shared by the programs): q: f32[n_heads,
+    head_dim], blocks as in `attention` -> f32[q_dim]."""
+    c = config
+    qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
+    scores = block_scores(qg, key_blocks, "gmd,gsd->gms") / jnp.sqrt(jnp.float32(c.head_dim))
+    visible = jnp.arange(scores.shape[-1]) <= pos
+    weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    return block_weighted_sum(weights, value_blocks, "gms,gsd->gmd").reshape(c.q_dim)
+
+
+def attend_current(
+    config: ModelConfig, q: jax.Array, key_blocks, value_blocks, cur: jax.Array,
+    key_cur: jax.Array, value_cur: jax.Array, pos: jax.Array,
+):
+    """`attend` where block `cur` (a traced index) is given separately as key_cur, value_cur
+    (written by the same program, e.g. inside the decode loop) and its slot in key_blocks,
+    value_blocks holds zeros: its scores and values come from key_cur and value_cur."""
+    c = config
+    size = key_cur.shape[1]
+    qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
+    zero = jnp.zeros((), jnp.int32)
+    scores = block_scores(qg, key_blocks, "gmd,gsd->gms")
+    own = jnp.einsum("gmd,gsd->gms", qg, key_cur, precision=PRECISION)
+    scores = jax.lax.dynamic_update_slice(scores, own, (zero, zero, cur * size))
+    scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
+    visible = jnp.arange(scores.shape[-1]) <= pos
+    weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    own_weights = jax.lax.dynamic_slice(
+        weights, (zero, zero, cur * size), (c.n_kv_heads, c.kv_mul, size)
+    )
+    att = block_weighted_sum(weights, value_blocks, "gms,gsd->gmd") + jnp.einsum(
+        "gms,gsd->gmd", own_weights, value_cur, precision=PRECISION
+    )
+    return att.reshape(c.q_dim)
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def attention(
     config: ModelConfig,
     q: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
+    key_blocks: tuple,
+    value_blocks: tuple,
     pos: jax.Array,
-    window: int | None = None,
 ) -> jax.Array:
     """One layer's attention for the token at `pos`, as llama2.c run.c.
 
     For each query head h: the scores `q_h . k_t / sqrt(head_dim)` against key head
-    `h // kv_mul` for every cache position t < window, positions t > pos masked out, softmax,
-    and the weighted sum of the values. The mask (not a slice by `pos`) lets one compiled
-    program serve every position of a window. The caches are head-major because a
-    [seq_len, kv_dim] layout makes XLA CPU transpose-copy the whole cache every step
-    (measured in JAX 0.10 on XLA CPU). They are read only (the `qkv` program writes them).
+    `h // kv_mul` for every position t of the blocks given, positions t > pos masked out,
+    softmax, and the weighted sum of the values. The mask (not a slice by `pos`) lets one
+    compiled program serve every position those blocks hold. The blocks are head-major
+    because a [positions, kv_dim] layout makes XLA CPU transpose-copy the cache every step
+    (measured in JAX 0.10). They are read only (the `qkv` program writes them).
 
     Args:
       config: static.
       q: f32[n_heads, head_dim], after RoPE (from the qkv program).
-      key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim], this layer's caches, already
-        holding this position's key and value.
-      pos: int32 scalar, 0 <= pos < window.
-      window: static; the cache positions read, pos < window <= seq_len (None: seq_len).
-        Positions >= window are not read at all (`attention_window` picks it).
+      key_blocks, value_blocks: the layer's first k cache blocks (k =
+        `attention_blocks(seq_len, pos)`), each f32[n_kv_heads, block_length, head_dim],
+        already holding this position's key and value. One program is compiled per k.
+      pos: int32 scalar, 0 <= pos < k * block_length.
 
     Returns:
       att: f32[q_dim], the attention output (heads concatenated).
     """
-    c = config
-    window = c.seq_len if window is None else window
     with jax.named_scope("attention"):
-        keys = key_cache[:, :window]
-        values = value_cache[:, :window]
-        qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
-        scores = jnp.einsum("gmd,gsd->gms", qg, keys, precision=PRECISION)
-        scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
-        visible = jnp.arange(window) <= pos
-        scores = jnp.where(visible, scores, -jnp.inf)
-        weights = jax.nn.softmax(scores, axis=-1)
-        att = jnp.einsum("gms,gsd->gmd", weights, values, precision=PRECISION)
-    return att.reshape(c.q_dim)
+        return attend(config, q, key_blocks, value_blocks, pos)

@@ -7,8 +7,10 @@ keys and values come out as small arrays and a second program, `write_caches`, s
 with the caches donated and nothing else reading them, the only way XLA CPU updates a donated
 buffer in place (see `jllama.graphs.qkv`). Two dispatches a token.
 
-The layer computations are those of the graph mode's programs (their traced bodies are called
-here), so both modes compute the same sums.
+The caches are read whole block by block (`jllama.graphs.attention`); the position being
+decoded is not in them yet, so its own score and its share of the values are computed from the
+new key and value and put in place of the cache's stale entry. The sums are the graph mode's
+up to float rounding (the tokens are the same; tested).
 """
 
 from __future__ import annotations
@@ -19,24 +21,23 @@ import jax
 import jax.numpy as jnp
 
 from jllama.config import ModelConfig
-from jllama.graphs.attention import attention
+from jllama.graphs.attention import block_scores, block_weighted_sum
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
-from jllama.graphs.ops import matmul, rmsnorm, rope
+from jllama.graphs.ops import PRECISION, matmul, rmsnorm, rope
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("window",))
+@functools.partial(jax.jit, static_argnums=0)
 def decode_step(
     config: ModelConfig,
     x: jax.Array,
     layers: tuple,
-    key_caches: tuple,
-    value_caches: tuple,
+    key_blocks: tuple,
+    value_blocks: tuple,
     pos: jax.Array,
     inv_freq: jax.Array,
     rms_final_weight: jax.Array,
     wcls: jax.Array,
-    window: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token through all layers and the classifier, as llama2.c run.c's `forward`.
 
@@ -44,19 +45,19 @@ def decode_step(
       config: static.
       x: f32[dim], the token's embedding row.
       layers: n_layers `LayerWeights` (see `jllama.weights`).
-      key_caches, value_caches: n_layers arrays f32[n_kv_heads, seq_len, head_dim], holding
-        positions < pos (read only; this position's key and value are patched in here and
-        written afterwards by `write_caches`).
-      pos: int32 scalar, 0 <= pos < window.
+      key_blocks, value_blocks: n_layers tuples of each layer's first k cache blocks (k =
+        `attention_blocks(seq_len, pos)`; see `jllama.graphs.attention`), holding positions
+        < pos; read only. This position's key and value enter the attention directly (its
+        score and its share of the values) and are written afterwards by `write_caches`.
+      pos: int32 scalar, 0 <= pos < k * block_length.
       inv_freq: f32[head_dim // 2]; rms_final_weight: f32[dim]; wcls: [vocab_size, dim].
-      window: static, the cache positions attention reads (`attention_window`).
 
     Returns:
       (logits f32[vocab_size], new_k, new_v): the keys and values as n_layers arrays
       f32[n_kv_heads, 1, head_dim] each.
     """
     c = config
-    here = (jnp.arange(window) == pos)[None, :, None]
+    scale = jnp.sqrt(jnp.float32(c.head_dim))
     new_k, new_v = [], []
     for l, layer in enumerate(layers):
         with jax.named_scope(f"layer{l}"):
@@ -65,11 +66,19 @@ def decode_step(
             k = qkv_out[c.q_dim : c.q_dim + c.kv_dim].reshape(c.n_kv_heads, c.head_dim)
             v = qkv_out[c.q_dim + c.kv_dim :].reshape(c.n_kv_heads, c.head_dim)
             q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
-            keys = jnp.where(here, k[:, None, :], key_caches[l][:, :window])
-            values = jnp.where(here, v[:, None, :], value_caches[l][:, :window])
-            att = attention.__wrapped__(c, q, keys, values, pos, window=window)
+            qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
+            scores = block_scores(qg, key_blocks[l], "gmd,gsd->gms") / scale
+            here = jnp.arange(scores.shape[-1]) == pos
+            own = jnp.einsum("gmd,gd->gm", qg, k, precision=PRECISION) / scale
+            scores = jnp.where(here, own[..., None], scores)
+            visible = jnp.arange(scores.shape[-1]) <= pos
+            weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+            own_weight = jnp.sum(jnp.where(here, weights, 0), axis=-1)  # [g, m]
+            att = block_weighted_sum(jnp.where(here, 0, weights), value_blocks[l],
+                                     "gms,gsd->gmd") + own_weight[..., None] * v[:, None, :]
             x = block.__wrapped__(
-                c, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
+                c, x, att.reshape(c.q_dim), layer.wo, layer.rms_ffn_weight, layer.w1,
+                layer.w2, layer.w3,
             )
             new_k.append(k)
             new_v.append(v)
@@ -77,26 +86,28 @@ def decode_step(
     return logits, tuple(k[:, None, :] for k in new_k), tuple(v[:, None, :] for v in new_v)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_caches", "value_caches"))
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_blocks", "value_blocks"))
 def write_caches(
     config: ModelConfig,
-    key_caches: tuple,
-    value_caches: tuple,
+    key_blocks: tuple,
+    value_blocks: tuple,
     new_k: jax.Array,
     new_v: jax.Array,
     pos: jax.Array,
 ) -> tuple[tuple, tuple]:
-    """Store each layer's new key and value at `pos`, in place (the caches are donated: use
-    the returned ones). new_k, new_v: n_layers arrays f32[n_kv_heads, 1, head_dim] (separate
-    arrays: slicing them out of one stacked array inside this program made XLA CPU rewrite
-    every cache in full, 34 ms a token for SmolLM2)."""
+    """Store each layer's new key and value at `pos`, in place. key_blocks, value_blocks: each
+    layer's cache block holding `pos` (donated: use the returned ones); new_k, new_v: n_layers
+    arrays f32[n_kv_heads, 1, head_dim] (separate arrays: slicing them out of one stacked
+    array inside this program made XLA CPU rewrite every cache in full, 34 ms a token for
+    SmolLM2)."""
     zero = jnp.zeros((), jnp.int32)
+    offset = pos % key_blocks[0].shape[1]
     keys = tuple(
-        jax.lax.dynamic_update_slice(kc, k, (zero, pos, zero))
-        for kc, k in zip(key_caches, new_k, strict=True)
+        jax.lax.dynamic_update_slice(kb, k, (zero, offset, zero))
+        for kb, k in zip(key_blocks, new_k, strict=True)
     )
     values = tuple(
-        jax.lax.dynamic_update_slice(vc, v, (zero, pos, zero))
-        for vc, v in zip(value_caches, new_v, strict=True)
+        jax.lax.dynamic_update_slice(vb, v, (zero, offset, zero))
+        for vb, v in zip(value_blocks, new_v, strict=True)
     )
     return keys, values

@@ -2,14 +2,15 @@
 
 A `lax.while_loop` carries the token, its position and the caches; each iteration looks the
 token's embedding row up on the device, runs every layer with the graph mode's traced bodies
-(`qkv` with its cache write, `attention`, `block`; so the logits are the graph mode's sums),
+(`qkv` with its cache write, `attend_current`, `block`; the graph mode's sums up to order),
 the classifier, then samples the next token with `sample_on_device` and records it. The loop
 ends after `n` tokens, or after a stop token, or at logits that are not finite; the host
 gets a chunk of tokens back per call and no logits at all.
 
-Inside one program the caches are loop-carried buffers that XLA updates in place: the write
-of a position happens before the attention of that iteration reads it, so no copy of the old
-cache is ever needed (unlike the straight-line programs, see `jllama.graphs.qkv`).
+All positions of one call lie in one cache block per layer (the caller cuts chunks at block
+boundaries): those blocks are loop-carried buffers that XLA updates in place (the write of a
+position happens before that iteration's attention reads it); the layer's earlier blocks are
+passed read only, with zeros in the current block's slot (`attend_current`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jllama.config import ModelConfig
-from jllama.graphs.attention import attention
+from jllama.graphs.attention import attend_current
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.qkv import qkv
@@ -89,8 +90,8 @@ def _embedding_row(table, token: jax.Array) -> jax.Array:
 @functools.partial(
     jax.jit,
     static_argnums=0,
-    static_argnames=("window", "n_steps", "kind"),
-    donate_argnames=("key_caches", "value_caches"),
+    static_argnames=("n_steps", "kind"),
+    donate_argnames=("key_cur", "value_cur"),
 )
 def decode_loop(
     config: ModelConfig,
@@ -99,8 +100,11 @@ def decode_loop(
     n: jax.Array,
     embedding,
     layers: tuple,
-    key_caches: tuple,
-    value_caches: tuple,
+    key_cur: tuple,
+    value_cur: tuple,
+    key_blocks: tuple,
+    value_blocks: tuple,
+    cur: jax.Array,
     inv_freq: jax.Array,
     rms_final_weight: jax.Array,
     wcls,
@@ -109,7 +113,6 @@ def decode_loop(
     coins: jax.Array,
     stop_ids: jax.Array,
     *,
-    window: int,
     n_steps: int,
     kind: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array, tuple, tuple]:
@@ -118,18 +121,20 @@ def decode_loop(
     Args:
       config: static.
       token: int32 scalar, the last token already chosen (not yet in the caches).
-      pos: int32 scalar, its position; pos + n - 1 < window.
-      n: int32 scalar, 1 <= n <= n_steps: how many tokens to sample.
+      pos: int32 scalar, its position.
+      n: int32 scalar, 1 <= n <= n_steps: how many tokens to sample; positions pos ..
+        pos + n - 1 all lie in cache block `cur`.
       embedding: [vocab_size, dim] float32 / bfloat16 / `Int8Matrix` token embedding table.
-      layers, key_caches, value_caches, inv_freq, rms_final_weight, wcls: as
-        `jllama.graphs.decode_step`; the caches are donated and returned updated at positions
-        pos .. pos + count - 1.
+      layers, inv_freq, rms_final_weight, wcls: as `jllama.graphs.decode_step`.
+      key_cur, value_cur: n_layers arrays, each layer's cache block `cur`; donated, returned
+        updated at positions pos .. pos + count - 1.
+      key_blocks, value_blocks: n_layers tuples of each layer's first k blocks (k =
+        `attention_blocks` of the last position), read only, zeros in slot `cur`.
+      cur: int32 scalar, the block index, < k.
       temperature, top_p: f32 scalars (see `sample_on_device`).
       coins: f32[n_steps], the random draw for each sampled token, in order (unused when
         greedy).
       stop_ids: int32[k], tokens that end the loop once sampled (they are recorded).
-      window: static, the attention window for every position of this call
-        (`attention_window` of the last one).
       n_steps: static, the capacity of one call (the chunk size).
       kind: static, one of `SAMPLING_KINDS`.
 
@@ -137,7 +142,7 @@ def decode_loop(
       (tokens int32[n_steps]: the sampled tokens in their first `count` entries,
        count int32: tokens sampled (< n only after a stop token or non-finite logits),
        finite bool: False when the loop stopped at non-finite logits (nothing sampled there),
-       key_caches, value_caches).
+       key_cur, value_cur).
     """
     c = config
 
@@ -147,7 +152,7 @@ def decode_loop(
             q, kcs[l], vcs[l] = qkv.__wrapped__(
                 c, x, layer.rms_att_weight, layer.wqkv, kcs[l], vcs[l], p, inv_freq
             )
-            att = attention.__wrapped__(c, q, kcs[l], vcs[l], p, window=window)
+            att = attend_current(c, q, key_blocks[l], value_blocks[l], cur, kcs[l], vcs[l], p)
             x = block.__wrapped__(
                 c, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
             )
@@ -169,10 +174,10 @@ def decode_loop(
         return i + finite.astype(jnp.int32), nxt, p + 1, kcs, vcs, stopped, out
 
     init = (
-        jnp.int32(0), token.astype(jnp.int32), pos.astype(jnp.int32), tuple(key_caches),
-        tuple(value_caches), jnp.bool_(False), jnp.full((n_steps,), -1, jnp.int32),
+        jnp.int32(0), token.astype(jnp.int32), pos.astype(jnp.int32), tuple(key_cur),
+        tuple(value_cur), jnp.bool_(False), jnp.full((n_steps,), -1, jnp.int32),
     )
-    count, _, _, key_caches, value_caches, _, out = jax.lax.while_loop(cond, body, init)
+    count, _, _, key_cur, value_cur, _, out = jax.lax.while_loop(cond, body, init)
     last = out[jnp.maximum(count - 1, 0)]
     finite = (count == n) | ((count > 0) & jnp.any(last == stop_ids))
-    return out, count, finite, key_caches, value_caches
+    return out, count, finite, key_cur, value_cur

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jllama.config import ModelConfig
+from jllama.graphs.attention import block_scores, block_weighted_sum
 from jllama.graphs.ops import PRECISION
 from jllama.quant import Int8Matrix
 
@@ -57,14 +58,14 @@ def _rope_rows(heads: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> j
     return rotated.reshape(t, n, head_dim)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_cache", "value_cache"))
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_block", "value_block"))
 def qkv_chunk(
     config: ModelConfig,
     x: jax.Array,
     rms_att_weight: jax.Array,
     wqkv: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
+    key_block: jax.Array,
+    value_block: jax.Array,
     pos: jax.Array,
     inv_freq: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -74,13 +75,15 @@ def qkv_chunk(
       config: static.
       x: f32[T, dim], the residual streams of the chunk's tokens.
       rms_att_weight: f32[dim]; wqkv: [q_dim + 2 * kv_dim, dim] (f32 or bf16).
-      key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim]; donated, updated in place.
-      pos: int32 scalar, the first token's position; pos + T <= seq_len (the caller's
-        promise: `dynamic_update_slice` would clamp a block that overhangs the cache).
+      key_block, value_block: f32[n_kv_heads, block_length, head_dim], the cache blocks that
+        hold all of positions pos .. pos+T-1 (the caller's promise: a chunk never crosses a
+        block boundary, and `dynamic_update_slice` would clamp one that did); donated,
+        updated in place.
+      pos: int32 scalar, the first token's position.
       inv_freq: f32[head_dim // 2].
 
     Returns:
-      (q: f32[T, n_heads, head_dim] after RoPE, key_cache, value_cache with positions
+      (q: f32[T, n_heads, head_dim] after RoPE, key_block, value_block with positions
       pos .. pos+T-1 written).
     """
     c = config
@@ -97,35 +100,34 @@ def qkv_chunk(
         k = _rope_rows(k, positions, inv_freq)
     with jax.named_scope("cache_write"):
         zero = jnp.zeros((), jnp.int32)
-        key_cache = jax.lax.dynamic_update_slice(
-            key_cache, k.transpose(1, 0, 2), (zero, pos, zero)
+        offset = pos % key_block.shape[1]
+        key_block = jax.lax.dynamic_update_slice(
+            key_block, k.transpose(1, 0, 2), (zero, offset, zero)
         )
-        value_cache = jax.lax.dynamic_update_slice(
-            value_cache, v.transpose(1, 0, 2), (zero, pos, zero)
+        value_block = jax.lax.dynamic_update_slice(
+            value_block, v.transpose(1, 0, 2), (zero, offset, zero)
         )
-    return q, key_cache, value_cache
+    return q, key_block, value_block
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("window",))
+@functools.partial(jax.jit, static_argnums=0)
 def attention_chunk(
     config: ModelConfig,
     q: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
+    key_blocks: tuple,
+    value_blocks: tuple,
     pos: jax.Array,
-    window: int,
 ) -> jax.Array:
     """Causal attention of T tokens at positions pos .. pos+T-1 (`jllama.graphs.attention` per
     token): token t's query head h attends over key head h // kv_mul at cache positions
-    s <= pos + t, s < window.
+    s <= pos + t of the blocks given.
 
     Args:
       config: static.
       q: f32[T, n_heads, head_dim] after RoPE.
-      key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim], holding the chunk's keys and
-        values already (read only).
-      pos: int32 scalar; pos + T <= window.
-      window: static, the cache positions read (`attention_window` of the chunk's last position).
+      key_blocks, value_blocks: the layer's first k cache blocks (k = `attention_blocks` of
+        the chunk's last position), holding the chunk's keys and values already (read only).
+      pos: int32 scalar; pos + T <= k * block_length.
 
     Returns:
       att: f32[T, q_dim].
@@ -133,16 +135,14 @@ def attention_chunk(
     c = config
     t = q.shape[0]
     with jax.named_scope("attention_chunk"):
-        keys = key_cache[:, :window]
-        values = value_cache[:, :window]
         qg = q.reshape(t, c.n_kv_heads, c.kv_mul, c.head_dim)
-        scores = jnp.einsum("tgmd,gsd->gmts", qg, keys, precision=PRECISION)
+        scores = block_scores(qg, key_blocks, "tgmd,gsd->gmts")
         scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
         query_pos = pos + jnp.arange(t, dtype=jnp.int32)
-        visible = jnp.arange(window)[None, :] <= query_pos[:, None]  # [T, window]
+        visible = jnp.arange(scores.shape[-1])[None, :] <= query_pos[:, None]  # [T, window]
         scores = jnp.where(visible, scores, -jnp.inf)
         weights = jax.nn.softmax(scores, axis=-1)
-        att = jnp.einsum("gmts,gsd->tgmd", weights, values, precision=PRECISION)
+        att = block_weighted_sum(weights, value_blocks, "gmts,gsd->tgmd")
     return att.reshape(t, c.q_dim)
 
 

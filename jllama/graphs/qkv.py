@@ -12,14 +12,14 @@ from jllama.config import ModelConfig
 from jllama.graphs.ops import matmul, rmsnorm, rope
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_cache", "value_cache"))
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_block", "value_block"))
 def qkv(
     config: ModelConfig,
     x: jax.Array,
     rms_att_weight: jax.Array,
     wqkv: jax.Array,
-    key_cache: jax.Array,
-    value_cache: jax.Array,
+    key_block: jax.Array,
+    value_block: jax.Array,
     pos: jax.Array,
     inv_freq: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -36,13 +36,15 @@ def qkv(
       x: f32[dim], the residual stream.
       rms_att_weight: f32[dim], this layer's attention RMSNorm gains.
       wqkv: f32[q_dim + 2 * kv_dim, dim], this layer's wq, wk, wv rows stacked (out x in).
-      key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim], this layer's caches;
+      key_block, value_block: f32[n_kv_heads, block_length, head_dim], the layer's cache
+        blocks holding `pos` (block pos // block_length, see `jllama.graphs.attention`);
         donated: updated in place, so the arguments must not be used afterwards.
       pos: int32 scalar, the token's position, 0 <= pos < seq_len.
       inv_freq: f32[head_dim // 2], from `jllama.rope.rope_frequencies`.
 
     Returns:
-      (q: f32[n_heads, head_dim] after RoPE, key_cache, value_cache updated at `pos`).
+      (q: f32[n_heads, head_dim] after RoPE, key_block, value_block updated at
+      pos % block_length).
     """
     c = config
     with jax.named_scope("qkv"):
@@ -55,8 +57,9 @@ def qkv(
         k = rope(k.reshape(c.n_kv_heads, c.head_dim), pos, inv_freq)
     with jax.named_scope("cache_write"):
         zero = jnp.zeros((), jnp.int32)
-        key_cache = jax.lax.dynamic_update_slice(key_cache, k[:, None, :], (zero, pos, zero))
-        value_cache = jax.lax.dynamic_update_slice(
-            value_cache, v.reshape(c.n_kv_heads, 1, c.head_dim), (zero, pos, zero)
+        offset = pos % key_block.shape[1]
+        key_block = jax.lax.dynamic_update_slice(key_block, k[:, None, :], (zero, offset, zero))
+        value_block = jax.lax.dynamic_update_slice(
+            value_block, v.reshape(c.n_kv_heads, 1, c.head_dim), (zero, offset, zero)
         )
-    return q, key_cache, value_cache
+    return q, key_block, value_block
