@@ -23,7 +23,7 @@ from jllama.fetch import KNOWN_MODELS, fetch
 from jllama.files import require_regular_file
 from jllama.generate import Generation, GenerationStats, resolve_steps
 from jllama.loading import open_model, required_memory
-from jllama.sampling import Sampler, restrict_to_vocabulary
+from jllama.sampling import FILTERS, Sampler, restrict_to_vocabulary
 from jllama.weights import tensor_stats
 
 FLAGS = flags.FLAGS
@@ -50,6 +50,36 @@ flags.DEFINE_float(
     "Nucleus sampling threshold in [0, 1]; 0 or 1 = sample from the whole distribution.",
     lower_bound=0.0,
     upper_bound=1.0,
+)
+flags.DEFINE_integer(
+    "top_k", 0, "Keep only the k most likely tokens before sampling; 0 = off (llama.cpp's "
+    "--top-k).", lower_bound=0,
+)
+flags.DEFINE_float(
+    "min_p", 0.0, "Keep only tokens at least min_p times as likely as the most likely one, in "
+    "[0, 1]; 0 = off (llama.cpp's --min-p).", lower_bound=0.0, upper_bound=1.0,
+)
+flags.DEFINE_float(
+    "repeat_penalty", 1.0, "Divide (or, for negative logits, multiply) the logits of tokens "
+    "among the last --penalty_last_n by this; 1 = off (llama.cpp's --repeat-penalty).",
+    lower_bound=1e-6, upper_bound=1e6,
+)
+flags.DEFINE_float(
+    "presence_penalty", 0.0, "Subtract this from the logit of every token among the last "
+    "--penalty_last_n; 0 = off (OpenAI's presence_penalty).",
+)
+flags.DEFINE_float(
+    "frequency_penalty", 0.0, "Subtract this times its count from the logit of every token "
+    "among the last --penalty_last_n; 0 = off (OpenAI's frequency_penalty).",
+)
+flags.DEFINE_integer(
+    "penalty_last_n", 64, "How many of the last tokens (prompt included) the penalties count; "
+    "-1 = all, 0 = off (llama.cpp's --repeat-last-n).", lower_bound=-1,
+)
+flags.DEFINE_list(
+    "samplers", "top_k,temperature,top_p,min_p", "Order of the sampler steps, each of top_k, "
+    "temperature, top_p, min_p once. The default applies the temperature before top-p (run.c, "
+    "transformers); llama.cpp's default is top_k,top_p,min_p,temperature.",
 )
 flags.DEFINE_integer(
     "steps",
@@ -105,6 +135,19 @@ flags.DEFINE_enum(
     "How the prompt goes through the model: chunked = batched chunks of tokens through each "
     "layer (jax backend); token = one position at a time, as run.c.",
 )
+flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on.")
+flags.DEFINE_integer(
+    "port", 8080, "serve: the TCP port to listen on (0 = any free one, printed).",
+    lower_bound=0, upper_bound=65535,
+)
+flags.DEFINE_string(
+    "model_name", None, "serve: the name clients give as `model` (default: the checkpoint's "
+    "name, e.g. stories260K or smollm2).",
+)
+flags.DEFINE_integer(
+    "max_waiting", 256, "serve: the most requests queued at once; more get HTTP 503.",
+    lower_bound=1,
+)
 flags.DEFINE_bool("pieces", False, "tokenize: print each id with its text, one per line.")
 flags.DEFINE_bool(
     "force",
@@ -159,6 +202,11 @@ flags.register_validator(
 )
 flags.register_validator("top_p", lambda p: math.isfinite(p), message="must be a finite number")
 flags.register_validator(
+    "samplers",
+    lambda names: sorted(names) == sorted(FILTERS),
+    message=f"must list each of {', '.join(FILTERS)} once, comma-separated",
+)
+flags.register_validator(
     "threads",
     lambda n: n <= runtime.available_cpus(),
     message=f"exceeds the {runtime.available_cpus()} CPUs available",
@@ -202,9 +250,12 @@ def main(argv: list[str]) -> int:
     if command == "convert":
         _no_arguments("convert", args)
         return _convert()
+    if command == "serve":
+        _no_arguments("serve", args)
+        return _serve()
     if command is not None:
         raise JllamaError(
-            f"unexpected argument {command!r} (commands: fetch, tokenize, convert; flags take the form "
+            f"unexpected argument {command!r} (commands: fetch, tokenize, convert, serve; flags take the form "
             "--name=value)"
         )
     if FLAGS.threads:
@@ -237,7 +288,10 @@ def main(argv: list[str]) -> int:
                 f"--prompt is {len(prompt_ids)} tokens, longer than the context "
                 f"(seq_len={config.seq_len})"
             )
-    sampler = Sampler(temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or None)
+    sampler = Sampler(
+        temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed or None,
+        **_sampler_options(),
+    )
     seed = sampler.config.seed
     if tokenizer.vocab_size < config.vocab_size:
         # A padded vocabulary (more model rows than tokens): ids with no token are never drawn.
@@ -484,6 +538,75 @@ def _chat(model, backend, sampler, decode_loop=None) -> int:
     return 0
 
 
+def _sampler_options() -> dict:
+    """The llama.cpp sampler flags as `Sampler` keyword arguments."""
+    options = {
+        "top_k": FLAGS.top_k, "min_p": FLAGS.min_p, "repeat_penalty": FLAGS.repeat_penalty,
+        "presence_penalty": FLAGS.presence_penalty,
+        "frequency_penalty": FLAGS.frequency_penalty, "penalty_last_n": FLAGS.penalty_last_n,
+        "order": tuple(FLAGS.samplers),
+    }
+    changed = [f"--{name}" for name in ("top_k", "min_p", "repeat_penalty", "presence_penalty",
+                                         "frequency_penalty") if FLAGS[name].present]
+    if changed and FLAGS.decode == "loop":
+        raise JllamaError(
+            f"--decode=loop samples on the device with temperature and top_p only; "
+            f"{', '.join(changed)} cannot be used with it (use --decode=graph or fused)"
+        )
+    return options
+
+
+def _model_id() -> str:
+    """The name `jllama serve` answers to: --model_name, else the checkpoint's name."""
+    if FLAGS.model_name:
+        return FLAGS.model_name
+    checkpoint = FLAGS.checkpoint
+    if checkpoint is None:
+        return "stories260K"
+    if checkpoint in KNOWN_MODELS:
+        return checkpoint
+    path = Path(checkpoint)
+    return path.name if path.is_dir() else path.stem
+
+
+def _serve() -> int:
+    from jllama.server import bind, make_server
+    from jllama.server.engine import Engine
+
+    if FLAGS.threads:
+        runtime.limit_cpu_threads(FLAGS.threads)
+    sock = bind(FLAGS.host, FLAGS.port)  # before the slow load: a busy port fails at once
+    model = open_model(
+        FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None,
+        dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype,
+    )
+    print(f"jllama: {required_memory(model)}", file=sys.stderr)
+    # Requests are sampled on the host (every request brings its own sampler settings).
+    decode = "graph" if FLAGS.decode == "loop" else FLAGS.decode
+    backend = make_backend(FLAGS.backend, **({"decode": decode} if FLAGS.backend == "jax" else {}))
+    if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
+        runtime.check_kv_cache_fits(model.config)
+    backend.prepare(model.config, model.weights)
+    engine = Engine(
+        model, backend, use_prefill=FLAGS.prefill == "chunked", max_waiting=FLAGS.max_waiting
+    )
+    model_id = _model_id()
+    server = make_server(engine, model_id, sock)
+    host, port = sock.getsockname()[:2]
+    chat = "chat and completions" if model.chat_template else "completions only, no chat template"
+    print(
+        f"jllama: serving {model_id} ({chat}; context {model.config.seq_len} tokens) at "
+        f"http://{FLAGS.host}:{port}/v1 (Ctrl-C stops)",
+        file=sys.stderr, flush=True,
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+    return 0
+
+
 def _fail(message: str, status: int = 1):
     # One line, whatever the message holds (a path with a newline, a multi-line library error).
     one_line = " ".join(str(message).split("\n"))
@@ -496,6 +619,7 @@ _USAGE = """usage: jllama [--flag=value ...]
        jllama fetch NAME                      download a known model (smollm2) into the cache
        jllama tokenize --prompt=TEXT [--pieces] [--parse_special] [--checkpoint=...]
        jllama convert --checkpoint=SOURCE --output=FILE.bin [--llama2c_version=1|2|0]
+       jllama serve [--checkpoint=...] [--host=127.0.0.1] [--port=8080]   OpenAI-compatible API
 
 Generates text with a Llama model from a llama2.c checkpoint or a GGUF file.
 With no flags it tells a story from the embedded stories260K model, as llama2.c's run does.

@@ -1,0 +1,116 @@
+"""An OpenAI-compatible HTTP server for one model (`jllama serve`).
+
+  errors.py   APIError: OpenAI's error JSON with its HTTP status
+  schema.py   request bodies, validated (pydantic, strict types) -> SamplerConfig
+  engine.py   the model worker thread and its first-in, first-out queue
+  app.py      the FastAPI routes, server-sent events
+
+`ServerThread` runs the server in a background thread of this process (tests, notebooks);
+`jllama serve` runs it in the foreground.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from jllama.errors import JllamaError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free one.
+
+    Raises:
+      JllamaError: the address cannot be bound (in use, not local, bad host), one line.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, OverflowError) as e:
+        raise JllamaError(f"--host={host}: cannot resolve it ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise JllamaError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(engine, model_id: str, sock: socket.socket, **app_options):
+    """A `uvicorn.Server` for `engine`'s model on the bound socket `sock` (not started)."""
+    import uvicorn
+
+    from jllama.server.app import create_app
+
+    app = create_app(engine, model_id, **app_options)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+        h11_max_incomplete_event_size=64 * 1024,
+    )
+    server = uvicorn.Server(config)
+    server.jllama_socket = sock
+    return server
+
+
+class ServerThread:
+    """The server in a background thread, for tests and scripts.
+
+    Args:
+      model: a `jllama.loading.Model`.
+      backend: a prepared backend for it.
+      model_id: the name clients use as `model`.
+      host, port: where to listen (port 0: a free port; see `url`).
+      **app_options: for `create_app` (e.g. max_body_bytes).
+
+    Usage:
+      with ServerThread(model, backend, "stories260K") as server:
+          client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, model, backend, model_id: str, host: str = "127.0.0.1", port: int = 0,
+                 use_prefill: bool = True, max_waiting: int = 256, **app_options):
+        from jllama.server.engine import Engine
+
+        self.engine = Engine(model, backend, use_prefill=use_prefill, max_waiting=max_waiting)
+        self._sock = bind(host, port)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = make_server(self.engine, model_id, self._sock, **app_options)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._sock]}, name="jllama-http",
+            daemon=True,
+        )
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        """Start serving; returns once uvicorn has started (or raises RuntimeError)."""
+        self._thread.start()
+        started = threading.Event()
+        for _ in range(int(timeout / 0.02)):
+            if self.server.started:
+                started.set()
+                break
+            if not self._thread.is_alive():
+                break
+            threading.Event().wait(0.02)
+        if not started.is_set():
+            self.stop()
+            raise RuntimeError("the server did not start")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and the model worker."""
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.engine.close()
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
