@@ -218,7 +218,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         if template is None:
             raise APIError(
                 400, f"the model {model_id!r} has no chat template; use /v1/completions",
-                param="messages", code="no_chat_template",
+                code="no_chat_template",
             )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
