@@ -1,0 +1,116 @@
+"""`jllama serve` chat completions on SmolLM2-135M-Instruct (ChatML template in its GGUF), with
+the official `openai` client; the reference is the `jllama --mode=chat` command's reply."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import openai
+import pytest
+from test_cli import REPO, jllama_command
+
+from jllama.backends import make_backend
+from jllama.loading import open_model
+from jllama.server import ServerThread
+
+MODEL = "smollm2"
+SEQ_LEN = 512
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf):
+    model = open_model(smollm2_gguf, seq_len=SEQ_LEN)
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    with ServerThread(model, backend, MODEL) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def cli_chat_reply(checkpoint, message: str, max_tokens: int) -> str:
+    done = subprocess.run(
+        jllama_command() + [
+            f"--checkpoint={checkpoint}", "--mode=chat", f"--prompt={message}",
+            "--temperature=0", f"--steps={max_tokens}", f"--seq_len={SEQ_LEN}",
+        ],
+        input="", capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("\n")
+    return done.stdout[:-1]
+
+
+def test_greedy_chat_equals_the_cli_streaming_and_not(client, smollm2_gguf):
+    want = cli_chat_reply(smollm2_gguf, QUESTION, 40)
+    assert want.strip()
+    messages = [{"role": "user", "content": QUESTION}]
+    got = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0
+    )
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want
+    assert got.usage.completion_tokens <= 40 and got.usage.prompt_tokens > 5
+    deltas, finish, usage, roles = [], None, None, []
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            roles.append(choice.delta.role)
+            deltas.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert roles[0] == "assistant"
+    assert "".join(deltas) == want
+    assert finish == got.choices[0].finish_reason
+    assert usage.completion_tokens == got.usage.completion_tokens
+
+
+def test_chat_logprobs_and_seeded_repeat(client):
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Name a fruit."}]
+    got = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+        top_logprobs=3,
+    ).choices[0]
+    items = got.logprobs.content
+    assert len(items) >= 1
+    assert "".join(item.token for item in items) == got.message.content
+    for item in items:
+        assert len(item.top_logprobs) == 3
+        tops = [t.logprob for t in item.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        # greedy: the chosen token is the most likely one
+        assert item.top_logprobs[0].token == item.token
+        assert math.isclose(item.top_logprobs[0].logprob, item.logprob)
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=20, temperature=1.0, seed=7)
+    a = client.chat.completions.create(**kwargs).choices[0].message.content
+    b = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert a == b and a
+
+
+def test_chat_errors(client):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "word " * 2000}]
+        )
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2
+        )
+    ok = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    )
+    assert ok.usage.completion_tokens <= 3
