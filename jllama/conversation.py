@@ -136,7 +136,7 @@ class Conversation:
         generation = Generation(
             self._forward, ids[reused:], sample, steps,
             stop_ids=tuple(self.tokenizer.stop_ids), start_pos=reused, prefill=self._prefill,
-            decode_loop=self._decode_loop,
+            decode_loop=self._decode_loop, context_ids=ids[:reused],
         )
         self.messages = messages
         self.cached_ids = ids[:reused]

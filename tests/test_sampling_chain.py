@@ -153,3 +153,47 @@ def test_config_with_bias_is_hashable_and_round_trips():
     assert config.logit_bias == ((2, -1.0), (5, 1.0))
     assert hash(config) == hash(SamplerConfig(seed=3, logit_bias=((2, -1.0), (5, 1.0)), top_k=4))
     assert Sampler.from_config(config).config == config
+
+
+def test_conversation_gives_the_sampler_the_whole_conversation():
+    # Each turn re-encodes the conversation and feeds only what the KV cache lacks; a sampler
+    # that reads the history must still see every id, the reused ones included (llama.cpp
+    # counts the whole context window for its penalties).
+    from jllama.conversation import Conversation
+
+    logits = np.full(8, -10.0, F32)
+    logits[3] = 2.0
+
+    class Tok:  # 'x' is id 1, a digit is its own id
+        stop_ids = frozenset({2})
+
+        def encode_segments(self, segments, bos=False):
+            return [1 if c == "x" else int(c) for text, _ in segments for c in text]
+
+        def decode(self, ids):
+            return "".join(str(i) for i in ids)
+
+    class Template:
+        def render_segments(self, messages, add_generation_prompt=True):
+            text = "".join("x" + (m["content"] if m["content"].isdigit() else "")
+                           for m in messages)
+            return [(text + "x", True)]
+
+    class Recorder:
+        uses_history = True
+
+        def __init__(self):
+            self.histories = []
+
+        def __call__(self, logits, history):
+            self.histories.append(list(history))
+            return int(np.argmax(logits))
+
+    chat = Conversation(lambda token, pos: logits, Tok(), Template(), seq_len=64)
+    sample = Recorder()
+    for message in ("a", "b", "c"):
+        assert [t.id for t in chat.say(message, sample, max_tokens=2)] == [3, 3]
+    # turn 3 renders x, x33, x, x33, x, x: [1, 1, 3, 3, 1, 1, 3, 3, 1, 1], most of them
+    # already in the KV cache from turn 2 (not fed again, but part of the history).
+    assert sample.histories[-2] == [1, 1, 3, 3, 1, 1, 3, 3, 1, 1]
+    assert sample.histories[-1] == [1, 1, 3, 3, 1, 1, 3, 3, 1, 1, 3]
