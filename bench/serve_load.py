@@ -1,0 +1,140 @@
+"""Load test of `jllama serve`: requests/s and tokens/s at several numbers of concurrent clients.
+
+    .venv/bin/python bench/serve_load.py --clients=1,4,32 --max_tokens=64
+    .venv/bin/python bench/serve_load.py --checkpoint=smollm2 --seq_len=512 --clients=1,4,32 \\
+        --max_tokens=32 --requests=32
+
+The server runs as its own process (`jllama serve --port=0` on 127.0.0.1, so the clients do
+not share its interpreter); each client is an asyncio task streaming completions over its own
+HTTP connection (httpx), one request after another, with `stream_options.include_usage` to
+count the tokens the server generated. For each concurrency, `--requests` requests in total
+(at least one per client) are sent after one warm-up request, and one JSON object is printed:
+
+    {"clients": 4, "requests": 32, "wall_s": ..., "requests_per_s": ..., "tokens_per_s": ...,
+     "completion_tokens": ..., "ttft_s_median": ..., "latency_s_median": ..., "latency_s_max": ...}
+
+tokens_per_s counts completion tokens only (prompt tokens are prefilled, not generated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = ["Once upon a time", "Tom had a dog", "The sun was hot", "Lily saw a bird"]
+
+
+def start_server(args) -> tuple[subprocess.Popen, str, str]:
+    script = Path(sys.executable).parent / "jllama"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "jllama"]
+    command += ["serve", "--port=0", f"--max_waiting={max(args.clients) * 2 + 8}"]
+    if args.checkpoint:
+        command.append(f"--checkpoint={args.checkpoint}")
+    if args.seq_len:
+        command.append(f"--seq_len={args.seq_len}")
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line and process.poll() is not None:
+            raise SystemExit(f"jllama serve exited with {process.returncode}")
+        print(line, end="", file=sys.stderr)
+        if "jllama: serving " in line:
+            name = line.split("serving ")[1].split()[0]
+            return process, line.split(" at ")[1].split()[0], name
+    process.kill()
+    raise SystemExit("jllama serve did not start within 300 s")
+
+
+async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> dict:
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    async with http.stream("POST", url + "/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if first is None and event["choices"] and event["choices"][0]["text"]:
+                first = time.perf_counter() - start
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return {"latency": time.perf_counter() - start, "ttft": first, "tokens": tokens}
+
+
+async def run_level(url: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:
+    total = max(requests, clients)
+    counter = iter(range(total))
+    results: list[dict] = []
+
+    def body(i: int) -> dict:
+        return {
+            "model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+            "temperature": 0.8, "seed": 1 + i, "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    async def client() -> None:
+        async with httpx.AsyncClient(timeout=600) as http:
+            for i in counter:
+                results.append(await one_request(http, url, body(i)))
+
+    async with httpx.AsyncClient(timeout=600) as http:  # warm-up, not counted
+        await one_request(http, url, body(0))
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    latencies = [r["latency"] for r in results]
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    return {
+        "clients": clients, "requests": len(results), "max_tokens": max_tokens,
+        "wall_s": round(wall, 3), "requests_per_s": round(len(results) / wall, 2),
+        "tokens_per_s": round(tokens / wall, 1), "completion_tokens": tokens,
+        "ttft_s_median": round(statistics.median(ttfts), 4) if ttfts else None,
+        "latency_s_median": round(statistics.median(latencies), 4),
+        "latency_s_max": round(max(latencies), 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", default=None, help="default: the embedded stories260K")
+    parser.add_argument("--seq_len", type=int, default=0)
+    parser.add_argument("--clients", default="1,4,32", help="comma-separated concurrency levels")
+    parser.add_argument("--requests", type=int, default=64,
+                        help="requests per level (at least one per client)")
+    parser.add_argument("--max_tokens", type=int, default=64)
+    args = parser.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    process, url, model = start_server(args)
+    try:
+        meta = {"meta": True, "checkpoint": args.checkpoint or "stories260K", "url": url,
+                "cpus": os.cpu_count(), "load1": os.getloadavg()[0]}
+        print(json.dumps(meta), flush=True)
+        for clients in args.clients:
+            result = asyncio.run(run_level(url, model, clients, args.requests, args.max_tokens))
+            print(json.dumps(result), flush=True)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+if __name__ == "__main__":
+    main()
