@@ -47,7 +47,8 @@ import shapes as shapes_mod  # bench/ is not a package: its modules are imported
 import vs as vs_mod
 
 UNITS = {
-    "load_s": "s", "prepare_s": "s", "compile_s": "s", "warmup_s": "s", "ttft_s": "s",
+    "load_s": "s", "prepare_s": "s", "compile_s": "s", "compile_total_s": "s",
+    "compiled_programs": "programs", "warmup_s": "s", "ttft_s": "s",
     "decode_tok_s": "tok/s", "decode_gb_s": "GB/s", "weights_mb_per_token": "MB",
     "peak_rss_mb": "MB",
 }

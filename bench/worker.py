@@ -8,7 +8,9 @@ Order of work, each timed apart:
 
   1. load      `open_model` (reading, dequantizing GGUF, casting to --dtype), seconds.
   2. prepare   `backend.prepare`; `compile_s` is the backend's own `compile_seconds` (0 for a
-               backend that compiles nothing).
+               backend that compiles nothing). `compile_total_s` / `compiled_programs`: every
+               XLA compilation of the whole run (JAX's backend_compile_duration events), small
+               helper programs included.
   3. warm-up   programs compiled later than `prepare` are compiled here, untimed in the rates:
                the jax backend's attention programs for longer windows (one forward call at
                the first position of each window the measured sequences reach; the cache is
@@ -158,6 +160,20 @@ def time_decode(backend, tokens: int) -> tuple[float, int]:
     return gen.stats.decode_tok_s, gen.stats.decode_steps
 
 
+def _count_compiles() -> list[float]:
+    """A list that fills with the seconds of each XLA compilation from now on."""
+    import jax
+
+    seconds: list[float] = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seconds.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return seconds
+
+
 def measure(args: argparse.Namespace) -> dict:
     """The figures of one run (keys as in `bench/run.py`'s METRICS, plus context)."""
     if args.threads:
@@ -169,6 +185,7 @@ def measure(args: argparse.Namespace) -> dict:
     from jllama.weights import TransformerWeights, weights_dtype
 
     out: dict = {}
+    compiles = _count_compiles()
     start = time.perf_counter()
     model = open_model(
         args.checkpoint, need_tokenizer=False, dtype=args.dtype, seq_len=args.seq_len or None
@@ -215,6 +232,10 @@ def measure(args: argparse.Namespace) -> dict:
     out["decode_tokens"] = steps
     out["decode_gb_s"] = rate * out["weights_mb_per_token"] / 1e3
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+    # Every XLA compilation of the run (prepare, prefill chunk shapes, attention windows,
+    # the loop's block buckets), as JAX reports them.
+    out["compile_total_s"] = sum(compiles)
+    out["compiled_programs"] = len(compiles)
     out["skipped"] = skipped
     return out
 
