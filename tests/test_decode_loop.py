@@ -159,3 +159,9 @@ def test_loop_refuses_samplers_it_does_not_implement(stories260k):
     b = _loop_backend(*stories260k)
     with pytest.raises(ValueError, match="temperature, top_p and seed only"):
         loop_decoder(b, lambda logits: 0, ())
+
+
+def test_loop_refuses_llama_cpp_samplers(stories260k):
+    b = _loop_backend(*stories260k)
+    with pytest.raises(ValueError, match="temperature, top_p and seed only"):
+        loop_decoder(b, Sampler(temperature=1.0, top_p=0.9, seed=3, top_k=40), ())
