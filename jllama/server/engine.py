@@ -144,7 +144,7 @@ class Engine:
         self.running = 0
         self.completed = 0
         self.cancelled = 0
-        self._lock = threading.Lock()
+        self._current: Job | None = None
         self._thread = threading.Thread(target=self._work, name="jllama-model", daemon=True)
         self._thread.start()
 
@@ -169,7 +169,7 @@ class Engine:
         self._queue.put(job)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the worker after the job it is running (queued jobs are dropped)."""
+        """Stop the worker: the running job stops at its next token, queued ones are dropped."""
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -177,6 +177,9 @@ class Engine:
                 break
             if job is not None:
                 job.cancel()
+        current = self._current
+        if current is not None:
+            current.cancel()
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -189,6 +192,7 @@ class Engine:
                 self.cancelled += 1
                 continue
             self.running = 1
+            self._current = job
             try:
                 self._generate(job)
             except APIError as e:
@@ -199,6 +203,7 @@ class Engine:
                 )))
             finally:
                 self.running = 0
+                self._current = None
                 if job.cancelled.is_set():
                     self.cancelled += 1
                 else:
