@@ -10,7 +10,7 @@ Q8_0 uses the same rounding with one scale per 32 weights instead of per row.
 Why one scale per row and not per group of 32: a matrix-vector product then needs a single
 multiply by the row's scale after the integer row sum, `(q @ x) * scale`, so the compiled
 program reads one int8 per weight and nothing else. With group scales XLA CPU ran the product
-at 5.2 GB/s of int8 against 11-14 GB/s per row (JAX 0.10, 2-core AVX2 EPYC, 12 matrices of
+at 5.2 GB/s of int8 against 11-14 GB/s per row (JAX 0.10, 2-core Zen 5 EPYC, 12 matrices of
 2048x768; bench/NOTES.md), slower than float32 itself.
 
 `Int8Matrix` is a frozen dataclass registered as a JAX pytree, so it travels through
