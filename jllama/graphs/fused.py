@@ -24,10 +24,10 @@ from jllama.config import ModelConfig
 from jllama.graphs.attention import block_scores, block_weighted_sum
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
-from jllama.graphs.ops import PRECISION, matmul, rmsnorm, rope
+from jllama.graphs.ops import PRECISION, matmul, rmsnorm, rope, split_qkv
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("shards",))
 def decode_step(
     config: ModelConfig,
     x: jax.Array,
@@ -38,6 +38,8 @@ def decode_step(
     inv_freq: jax.Array,
     rms_final_weight: jax.Array,
     wcls: jax.Array,
+    *,
+    shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token through all layers and the classifier, as llama2.c run.c's `forward`.
 
@@ -51,6 +53,7 @@ def decode_step(
         score and its share of the values) and are written afterwards by `write_caches`.
       pos: int32 scalar, 0 <= pos < k * block_length.
       inv_freq: f32[head_dim // 2]; rms_final_weight: f32[dim]; wcls: [vocab_size, dim].
+      shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
 
     Returns:
       (logits f32[vocab_size], new_k, new_v): the keys and values as n_layers arrays
@@ -62,9 +65,7 @@ def decode_step(
     for l, layer in enumerate(layers):
         with jax.named_scope(f"layer{l}"):
             qkv_out = matmul(layer.wqkv, rmsnorm(x, layer.rms_att_weight, c.norm_eps))
-            q = qkv_out[: c.q_dim].reshape(c.n_heads, c.head_dim)
-            k = qkv_out[c.q_dim : c.q_dim + c.kv_dim].reshape(c.n_kv_heads, c.head_dim)
-            v = qkv_out[c.q_dim + c.kv_dim :].reshape(c.n_kv_heads, c.head_dim)
+            q, k, v = split_qkv(c, qkv_out, shards)
             q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
             qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
             scores = block_scores(qg, key_blocks[l], "gmd,gsd->gms") / scale

@@ -95,15 +95,22 @@ def sample_on_device(
 
 
 def _embedding_row(table, token: jax.Array) -> jax.Array:
+    # jnp.take with mode="clip" (token is always in range): with the table split by rows over
+    # devices (`jllama.sharding`), XLA's partitioner turns this gather into a local lookup
+    # plus an all-reduce of one row; `table[token]` made it all-gather the whole table each
+    # step (HLO of JAX 0.10.2 read).
+    def row(a):
+        return jnp.take(a, token, axis=0, mode="clip")
+
     if isinstance(table, Int8Matrix):
-        return table.q[token].astype(jnp.float32) * table.scale[token]
-    return table[token].astype(jnp.float32)
+        return row(table.q).astype(jnp.float32) * row(table.scale)
+    return row(table).astype(jnp.float32)
 
 
 @functools.partial(
     jax.jit,
     static_argnums=0,
-    static_argnames=("n_steps", "kind"),
+    static_argnames=("n_steps", "kind", "shards"),
     donate_argnames=("key_cur", "value_cur"),
 )
 def decode_loop(
@@ -128,6 +135,7 @@ def decode_loop(
     *,
     n_steps: int,
     kind: str,
+    shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array, tuple, tuple]:
     """Feed `token` at `pos`, sample the next token, feed it, ... for up to `n` tokens.
 
@@ -150,6 +158,7 @@ def decode_loop(
       stop_ids: int32[k], tokens that end the loop once sampled (they are recorded).
       n_steps: static, the capacity of one call (the chunk size).
       kind: static, one of `SAMPLING_KINDS`.
+      shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
 
     Returns:
       (tokens int32[n_steps]: the sampled tokens in their first `count` entries,
@@ -163,7 +172,8 @@ def decode_loop(
         kcs, vcs = list(kcs), list(vcs)
         for l, layer in enumerate(layers):
             q, kcs[l], vcs[l] = qkv.__wrapped__(
-                c, x, layer.rms_att_weight, layer.wqkv, kcs[l], vcs[l], p, inv_freq
+                c, x, layer.rms_att_weight, layer.wqkv, kcs[l], vcs[l], p, inv_freq,
+                shards=shards,
             )
             att = attend_current(c, q, key_blocks[l], value_blocks[l], cur, kcs[l], vcs[l], p)
             x = block.__wrapped__(

@@ -53,3 +53,32 @@ def rope(heads: jax.Array, pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     v0, v1 = pairs[..., 0], pairs[..., 1]
     return jnp.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], axis=-1).reshape(n, head_dim)
+
+
+def split_qkv(config, out: jax.Array, shards: int = 1):
+    """Split the output of the stacked QKV product into q, k and v heads.
+
+    out: f32[..., q_dim + 2 * kv_dim] in `wqkv`'s row order. With shards == 1 (one device)
+    that is wq's rows, then wk's, then wv's. With shards == N (tensor parallelism,
+    `jllama.sharding.qkv_row_order`) the rows come in N equal groups, group d holding device
+    d's query heads, then its key heads, then its value heads, so each device's contiguous
+    shard of `wqkv` is all it needs and the split below never moves data between devices.
+
+    Returns (q f32[..., n_heads, head_dim], k and v f32[..., n_kv_heads, head_dim]), heads in
+    the model's order.
+    """
+    c = config
+    lead = out.shape[:-1]
+    if shards == 1:
+        q = out[..., : c.q_dim]
+        k = out[..., c.q_dim : c.q_dim + c.kv_dim]
+        v = out[..., c.q_dim + c.kv_dim :]
+    else:
+        groups = out.reshape(*lead, shards, -1)  # [..., device, its rows]
+        qs, ks = c.q_dim // shards, c.kv_dim // shards
+        q, k, v = groups[..., :qs], groups[..., qs : qs + ks], groups[..., qs + ks :]
+    return (
+        q.reshape(*lead, c.n_heads, c.head_dim),
+        k.reshape(*lead, c.n_kv_heads, c.head_dim),
+        v.reshape(*lead, c.n_kv_heads, c.head_dim),
+    )

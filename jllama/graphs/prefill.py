@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jllama.config import ModelConfig
 from jllama.graphs.attention import block_scores, block_weighted_sum
-from jllama.graphs.ops import PRECISION
+from jllama.graphs.ops import PRECISION, split_qkv
 from jllama.quant import Int8Matrix
 
 
@@ -58,7 +58,10 @@ def _rope_rows(heads: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> j
     return rotated.reshape(t, n, head_dim)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_block", "value_block"))
+@functools.partial(
+    jax.jit, static_argnums=0, static_argnames=("shards",),
+    donate_argnames=("key_block", "value_block"),
+)
 def qkv_chunk(
     config: ModelConfig,
     x: jax.Array,
@@ -68,6 +71,8 @@ def qkv_chunk(
     value_block: jax.Array,
     pos: jax.Array,
     inv_freq: jax.Array,
+    *,
+    shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`jllama.graphs.qkv` for T tokens at positions pos .. pos+T-1.
 
@@ -81,6 +86,7 @@ def qkv_chunk(
         updated in place.
       pos: int32 scalar, the first token's position.
       inv_freq: f32[head_dim // 2].
+      shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
 
     Returns:
       (q: f32[T, n_heads, head_dim] after RoPE, key_block, value_block with positions
@@ -90,10 +96,7 @@ def qkv_chunk(
     t = x.shape[0]
     with jax.named_scope("qkv_chunk"):
         out = _rows_matmul(_rmsnorm_rows(x, rms_att_weight, c.norm_eps), wqkv)
-        q_end, k_end = c.q_dim, c.q_dim + c.kv_dim
-        q = out[:, :q_end].reshape(t, c.n_heads, c.head_dim)
-        k = out[:, q_end:k_end].reshape(t, c.n_kv_heads, c.head_dim)
-        v = out[:, k_end:].reshape(t, c.n_kv_heads, c.head_dim)
+        q, k, v = split_qkv(c, out, shards)
     with jax.named_scope("rope"):
         positions = pos + jnp.arange(t, dtype=jnp.int32)
         q = _rope_rows(q, positions, inv_freq)

@@ -9,10 +9,13 @@ import jax
 import jax.numpy as jnp
 
 from jllama.config import ModelConfig
-from jllama.graphs.ops import matmul, rmsnorm, rope
+from jllama.graphs.ops import matmul, rmsnorm, rope, split_qkv
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_block", "value_block"))
+@functools.partial(
+    jax.jit, static_argnums=0, static_argnames=("shards",),
+    donate_argnames=("key_block", "value_block"),
+)
 def qkv(
     config: ModelConfig,
     x: jax.Array,
@@ -22,6 +25,8 @@ def qkv(
     value_block: jax.Array,
     pos: jax.Array,
     inv_freq: jax.Array,
+    *,
+    shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Normalize the residual stream, project it to queries, keys and values in one product,
     rotate q and k (RoPE, as llama2.c run.c), and store k and v at `pos` in the caches.
@@ -41,6 +46,8 @@ def qkv(
         donated: updated in place, so the arguments must not be used afterwards.
       pos: int32 scalar, the token's position, 0 <= pos < seq_len.
       inv_freq: f32[head_dim // 2], from `jllama.rope.rope_frequencies`.
+      shards: static; the number of groups wqkv's rows come in (`jllama.graphs.ops.split_qkv`):
+        1 on one device, the device count under tensor parallelism.
 
     Returns:
       (q: f32[n_heads, head_dim] after RoPE, key_block, value_block updated at
@@ -49,17 +56,15 @@ def qkv(
     c = config
     with jax.named_scope("qkv"):
         qkv_out = matmul(wqkv, rmsnorm(x, rms_att_weight, c.norm_eps))
-        q_end = c.q_dim
-        k_end = q_end + c.kv_dim
-        q, k, v = qkv_out[:q_end], qkv_out[q_end:k_end], qkv_out[k_end:]
+        q, k, v = split_qkv(c, qkv_out, shards)
     with jax.named_scope("rope"):
-        q = rope(q.reshape(c.n_heads, c.head_dim), pos, inv_freq)
-        k = rope(k.reshape(c.n_kv_heads, c.head_dim), pos, inv_freq)
+        q = rope(q, pos, inv_freq)
+        k = rope(k, pos, inv_freq)
     with jax.named_scope("cache_write"):
         zero = jnp.zeros((), jnp.int32)
         offset = pos % key_block.shape[1]
         key_block = jax.lax.dynamic_update_slice(key_block, k[:, None, :], (zero, offset, zero))
         value_block = jax.lax.dynamic_update_slice(
-            value_block, v.reshape(c.n_kv_heads, 1, c.head_dim), (zero, offset, zero)
+            value_block, v[:, None, :], (zero, offset, zero)
         )
     return q, key_block, value_block
