@@ -16,7 +16,8 @@ def backend_names() -> tuple[str, ...]:
 
 def make_backend(name: str, **options) -> Backend:
     """A new, unprepared backend by name; `options` go to its constructor (e.g. the jax
-    backend's `decode="fused"`).
+    backend's `decode="fused"`, or `devices=4` to split the model over four devices,
+    `jllama.sharding`).
 
     Raises:
       ValueError: an unknown name (the message lists the known ones), or options the backend

@@ -6,6 +6,10 @@ and compiled once (in `prepare`, by a warm-up step) and replayed for every layer
 `attention` is compiled once more for each longer window the context grows into
 (`graphs.attention_window`: 256, 512, 1024, ... positions). Each layer's KV cache is a list of
 blocks of 256 positions (`graphs.attention`), passed whole to the programs.
+
+With `devices=N` (or a `mesh`) the same programs run split over N devices, tensor-parallel
+(`jllama.sharding`: every device holds its heads' and hidden units' slice of every layer and
+its KV heads' caches; `jllama.graphs.sharded`: the programs with their output layouts).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jllama import graphs
 from jllama.backends.base import check_token_pos
@@ -23,6 +28,7 @@ from jllama.config import ModelConfig
 from jllama.errors import BackendError
 from jllama.quant import embedding_rows
 from jllama.rope import rope_frequencies
+from jllama.sharding import TensorParallel
 from jllama.weights import (
     TransformerWeights,
     check_shapes,
@@ -50,24 +56,51 @@ class JaxGraphBackend:
     """Graph-compiled backend over per-layer device arrays and per-layer head-major caches.
 
     Args:
-      device: the `jax.Device` to run on (default: JAX's default device).
+      device: the `jax.Device` to run on (default: JAX's default device); one device only.
+      decode: one of `DECODE_MODES`.
+      devices: split the model over this many devices (the first N of `jax.devices()`,
+        across every process of a `jax.distributed` run), tensor-parallel as
+        `jllama.sharding` lays it out; 1 (the default) runs on `device`.
+      mesh: a 1-D `jax.sharding.Mesh` with axis `jllama.sharding.AXIS` to split the model
+        over instead (then `devices` is ignored).
 
     Raises:
       BackendError: JAX cannot start its default device (e.g. JAX_PLATFORMS names a missing
         platform).
+      ShardingError (at `prepare`): the model does not split over the devices
+        (`jllama.sharding.check_divisible`), or there are fewer devices than asked.
 
     Attributes:
       name: "jax".
       compile_seconds: wall time of the warm-up step in `prepare` (tracing + compiling the four
         programs), seconds.
+      tensor_parallel: the `jllama.sharding.TensorParallel` layout after `prepare` when split
+        over several devices, else None.
+      sharding_notes: what `prepare` replicated instead of splitting (one line each).
     """
 
     name = "jax"
 
-    def __init__(self, device: jax.Device | None = None, decode: str = "graph"):
+    def __init__(
+        self,
+        device: jax.Device | None = None,
+        decode: str = "graph",
+        devices: int = 1,
+        mesh: Mesh | None = None,
+    ):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode={decode!r}; known modes: {', '.join(DECODE_MODES)}")
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise ValueError(f"devices={devices!r} must be an integer >= 1")
         self.decode = decode
+        self.devices = mesh.size if mesh is not None else devices
+        self._mesh = mesh
+        self.tensor_parallel: TensorParallel | None = None
+        self.sharding_notes: list[str] = []
+        self._programs = graphs
+        self._shards = 1
+        if mesh is not None:
+            device = mesh.devices.flat[0]
         if device is None:
             try:
                 device = jax.devices()[0]
@@ -88,33 +121,72 @@ class JaxGraphBackend:
         int8 `jllama.quant.Int8Matrix`: a quarter; both widened to float32 inside each
         product); activations, caches and logits are float32."""
         check_shapes(config, weights)
+        if self.devices > 1:
+            self._split_over_devices(config)
         self.config = config
         host = to_graph_weights(weights)
         # The embedding table stays on the host: one row per token is all a step needs.
         self.token_embedding_table = host.token_embedding_table
         self._host_wcls = host.wcls
         self._loop_embedding = None
-        self.layers, self.rms_final_weight, self.wcls = jax.device_put(
-            (host.layers, host.rms_final_weight, host.wcls), self.device
-        )
-        self.inv_freq = jax.device_put(rope_frequencies(config), self.device)
+        tp = self.tensor_parallel
+        if tp is None:
+            self.layers, self.rms_final_weight, self.wcls = jax.device_put(
+                (host.layers, host.rms_final_weight, host.wcls), self.device
+            )
+        else:
+            # Layer by layer: the regrouped wqkv is a host copy, freed once placed.
+            self.layers = tuple(tp.place_layer(config, layer) for layer in host.layers)
+            self.rms_final_weight = tp.put(host.rms_final_weight)
+            self.wcls = tp.put(host.wcls, tp.classifier_spec(host.wcls))
+        self.inv_freq = self._put(rope_frequencies(config))
         # Per layer, a list of cache blocks (`jllama.graphs.attention`): whole arrays, so no
         # program ever copies a window out of a larger cache.
         self.block_length = graphs.block_length(config.seq_len)
         shape = (config.n_kv_heads, self.block_length, config.head_dim)
         count = graphs.n_blocks(config.seq_len)
 
+        where = self.device if tp is None else tp.by_head  # split by KV head
+
         def blocks():
-            return [jnp.zeros(shape, jnp.float32, device=self.device) for _ in range(count)]
+            return [jnp.zeros(shape, jnp.float32, device=where) for _ in range(count)]
 
         self.key_cache = [blocks() for _ in self.layers]
         self.value_cache = [blocks() for _ in self.layers]
-        self._zero_block = jnp.zeros(shape, jnp.float32, device=self.device)
+        self._zero_block = jnp.zeros(shape, jnp.float32, device=where)
         start = time.perf_counter()
         # Warm-up: traces and compiles all four programs. Harmless to the sequence that follows:
         # position 0 is rewritten by the first real step and later positions are masked.
         self.forward(0, 0)
         self.compile_seconds = time.perf_counter() - start
+
+    def _split_over_devices(self, config: ModelConfig) -> None:
+        """Choose the mesh and the layout, and the programs that run under it."""
+        from jllama.graphs.sharded import sharded_programs
+        from jllama.sharding import check_divisible, tensor_parallel
+
+        if self._mesh is not None:
+            self.sharding_notes = check_divisible(config, self._mesh.size)
+            self.tensor_parallel = TensorParallel(
+                self._mesh, split_classifier=config.vocab_size % self._mesh.size == 0
+            )
+        else:
+            self.tensor_parallel, self.sharding_notes = tensor_parallel(config, self.devices)
+            self.device = self.tensor_parallel.mesh.devices.flat[0]
+        self._programs = sharded_programs(self.tensor_parallel.mesh)
+        self._shards = self.devices
+
+    def _put(self, host):
+        """A host array (or scalar) on the device, or replicated over the mesh."""
+        if self.tensor_parallel is None:
+            return jax.device_put(host, self.device)
+        return self.tensor_parallel.put(np.asarray(host))
+
+    def _arg(self, host):
+        """A small host argument for a program: passed as is on one device (jit moves it),
+        a replicated global array over a mesh (what every process of a multi-process run
+        can pass)."""
+        return host if self.tensor_parallel is None else self._put(host)
 
     def prefill(self, tokens, start_pos: int) -> np.ndarray:
         """Feed `tokens` at positions start_pos, start_pos+1, ... and return the logits
@@ -152,24 +224,29 @@ class JaxGraphBackend:
                 x = None
                 pos += 1
         if logits is None:
-            logits = np.asarray(graphs.classifier_last(config, x, self.rms_final_weight, self.wcls))
+            logits = np.asarray(
+                self._programs.classifier_last(config, x, self.rms_final_weight, self.wcls)
+            )
         return logits
 
     def _prefill_chunk(self, chunk: list[int], pos: int) -> jax.Array:
         config = self.config
         rows = embedding_rows(self.token_embedding_table, np.asarray(chunk))
-        x = jax.device_put(rows, self.device)
-        pos_arr = jax.device_put(np.int32(pos), self.device)
+        x = self._put(rows)
+        pos_arr = self._put(np.int32(pos))
         k = graphs.attention_blocks(config.seq_len, pos + len(chunk) - 1)
         b = pos // self.block_length
+        programs = self._programs
         for l, layer in enumerate(self.layers):
             keys, values = self.key_cache[l], self.value_cache[l]
-            q, keys[b], values[b] = graphs.qkv_chunk(
+            q, keys[b], values[b] = programs.qkv_chunk(
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
-                self.inv_freq,
+                self.inv_freq, shards=self._shards,
             )
-            att = graphs.attention_chunk(config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr)
-            x = graphs.block_chunk(
+            att = programs.attention_chunk(
+                config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr
+            )
+            x = programs.block_chunk(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
             )
         return x
@@ -230,21 +307,27 @@ class JaxGraphBackend:
         cur = pos // self.block_length
         if self._loop_embedding is None:
             shared = self.token_embedding_table is self._host_wcls
-            self._loop_embedding = (
-                self.wcls if shared else jax.device_put(self.token_embedding_table, self.device)
-            )
+            if shared:
+                self._loop_embedding = self.wcls
+            elif self.tensor_parallel is None:
+                self._loop_embedding = jax.device_put(self.token_embedding_table, self.device)
+            else:  # split by vocabulary rows, as the classifier
+                tp = self.tensor_parallel
+                table = self.token_embedding_table
+                self._loop_embedding = tp.put(table, tp.classifier_spec(table))
         wcls = self.wcls
         def others(blocks):  # the first k blocks, zeros in the current one's slot
             return tuple(self._zero_block if i == cur else blocks[i] for i in range(k))
 
-        out, count, finite, keys, values = graphs.decode_loop(
-            config, np.int32(token), np.int32(pos), np.int32(n), self._loop_embedding,
-            self.layers, tuple(kc[cur] for kc in self.key_cache),
+        arg = self._arg
+        out, count, finite, keys, values = self._programs.decode_loop(
+            config, arg(np.int32(token)), arg(np.int32(pos)), arg(np.int32(n)),
+            self._loop_embedding, self.layers, tuple(kc[cur] for kc in self.key_cache),
             tuple(vc[cur] for vc in self.value_cache),
             tuple(others(kc) for kc in self.key_cache),
-            tuple(others(vc) for vc in self.value_cache), np.int32(cur), self.inv_freq,
-            self.rms_final_weight, wcls, np.float32(temperature), np.float32(top_p),
-            draws, stops, n_steps=LOOP_CHUNK, kind=kind,
+            tuple(others(vc) for vc in self.value_cache), arg(np.int32(cur)), self.inv_freq,
+            self.rms_final_weight, wcls, arg(np.float32(temperature)), arg(np.float32(top_p)),
+            arg(draws), arg(stops), n_steps=LOOP_CHUNK, kind=kind, shards=self._shards,
         )
         for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,
                                       strict=True):
@@ -269,17 +352,18 @@ class JaxGraphBackend:
         if config is None:
             raise RuntimeError("JaxGraphBackend.forward called before prepare")
         token, pos = check_token_pos(config, token, pos)
-        x = jax.device_put(embedding_rows(self.token_embedding_table, token), self.device)
-        pos_arr = jax.device_put(np.int32(pos), self.device)
+        x = self._put(embedding_rows(self.token_embedding_table, token))
+        pos_arr = self._put(np.int32(pos))
         k = graphs.attention_blocks(config.seq_len, pos)
         b = pos // self.block_length
+        programs = self._programs
         if self.decode == "fused":
-            logits, new_k, new_v = graphs.decode_step(
+            logits, new_k, new_v = programs.decode_step(
                 config, x, self.layers, tuple(tuple(kc[:k]) for kc in self.key_cache),
                 tuple(tuple(vc[:k]) for vc in self.value_cache), pos_arr, self.inv_freq,
-                self.rms_final_weight, self.wcls,
+                self.rms_final_weight, self.wcls, shards=self._shards,
             )
-            keys, values = graphs.write_caches(
+            keys, values = programs.write_caches(
                 config, tuple(kc[b] for kc in self.key_cache),
                 tuple(vc[b] for vc in self.value_cache), new_k, new_v, pos_arr,
             )
@@ -289,13 +373,13 @@ class JaxGraphBackend:
             return np.asarray(logits)
         for l, layer in enumerate(self.layers):
             keys, values = self.key_cache[l], self.value_cache[l]
-            q, keys[b], values[b] = graphs.qkv(
+            q, keys[b], values[b] = programs.qkv(
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
-                self.inv_freq,
+                self.inv_freq, shards=self._shards,
             )
-            att = graphs.attention(config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr)
-            x = graphs.block(
+            att = programs.attention(config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr)
+            x = programs.block(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
             )
-        logits = graphs.classifier(config, x, self.rms_final_weight, self.wcls)
+        logits = programs.classifier(config, x, self.rms_final_weight, self.wcls)
         return np.asarray(logits)

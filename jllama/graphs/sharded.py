@@ -1,0 +1,63 @@
+"""The compiled programs of `jllama.graphs` for a tensor-parallel layout (`jllama.sharding`).
+
+The same traced bodies as the one-device programs, jitted again with `out_shardings` on the
+mesh; their inputs arrive already laid out (weights split by `TensorParallel`, caches by KV
+head, the residual stream replicated), and XLA's SPMD partitioner (GSPMD) propagates those
+shardings through each body and inserts the collectives: an all-reduce after wo and after w2
+(each device's product over its own columns is a partial sum) and a gather of the logits.
+
+Why fixed output shardings: a donated cache block must come back laid out as it went in, or
+the next call would see a new input layout and compile again; and every process of a
+multi-process run reads the logits (and the loop's tokens) on the host, which needs them
+replicated on its own devices, not split across processes.
+
+`sharded_programs(mesh)` returns an object with the attributes the backend calls on the
+`jllama.graphs` module (`qkv`, `attention`, ...), so the backend runs either one.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jllama import graphs
+from jllama.sharding import AXIS
+
+
+def sharded_programs(mesh: Mesh) -> types.SimpleNamespace:
+    """The decode, prefill, fused and loop programs jitted for `mesh` (1-D, axis `AXIS`).
+
+    Each keeps its `jllama.graphs` counterpart's arguments, static arguments and donations;
+    pass `shards=mesh.size` to the ones that take it (wqkv's row groups,
+    `jllama.sharding.qkv_row_order`). Output layouts: q, the attention output and cache
+    blocks split along the head axis; the residual stream, logits and sampled tokens
+    replicated.
+    """
+    rep = NamedSharding(mesh, PartitionSpec())
+    heads = NamedSharding(mesh, PartitionSpec(AXIS))  # axis 0: heads
+    token_heads = NamedSharding(mesh, PartitionSpec(None, AXIS))  # [T, heads ...]
+    donate_block = ("key_block", "value_block")
+
+    def jit(program, out, static_argnames=(), donate=()):
+        return jax.jit(
+            program.__wrapped__, static_argnums=0, static_argnames=static_argnames,
+            donate_argnames=donate, out_shardings=out,
+        )
+
+    return types.SimpleNamespace(
+        qkv=jit(graphs.qkv, (heads, heads, heads), ("shards",), donate_block),
+        attention=jit(graphs.attention, heads),
+        block=jit(graphs.block, rep),
+        classifier=jit(graphs.classifier, rep),
+        qkv_chunk=jit(graphs.qkv_chunk, (token_heads, heads, heads), ("shards",), donate_block),
+        attention_chunk=jit(graphs.attention_chunk, token_heads),
+        block_chunk=jit(graphs.block_chunk, rep),
+        classifier_last=jit(graphs.classifier_last, rep),
+        decode_step=jit(graphs.decode_step, (rep, heads, heads), ("shards",)),
+        write_caches=jit(graphs.write_caches, (heads, heads), (),
+                         ("key_blocks", "value_blocks")),
+        decode_loop=jit(graphs.decode_loop, (rep, rep, rep, heads, heads),
+                        ("n_steps", "kind", "shards"), ("key_cur", "value_cur")),
+    )
