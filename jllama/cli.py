@@ -181,6 +181,30 @@ flags.DEFINE_integer(
     "CPU threads for XLA (the process is pinned to that many cores); 0 = all.",
     lower_bound=0,
 )
+flags.DEFINE_integer(
+    "devices",
+    0,
+    "jax backend: split the model over this many devices, tensor-parallel (each holds a "
+    "slice of every layer and its KV heads' cache; must divide n_kv_heads). 0 = one device, "
+    "or with --num_processes > 1 every device of every process. On CPU, "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices.",
+    lower_bound=0,
+)
+flags.DEFINE_string(
+    "coordinator",
+    None,
+    "Several processes (hosts) running one model: HOST:PORT of process 0, where JAX's "
+    "coordinator listens (jax.distributed). Every process runs the same command with its own "
+    "--process_id.",
+)
+flags.DEFINE_integer(
+    "num_processes", 1, "How many processes run the model together (see --coordinator).",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "process_id", 0, "This process's number, 0 .. --num_processes - 1; process 0 prints.",
+    lower_bound=0,
+)
 flags.DEFINE_bool(
     "verify_checkpoint",
     False,
@@ -260,6 +284,10 @@ def main(argv: list[str]) -> int:
         )
     if FLAGS.threads:
         runtime.limit_cpu_threads(FLAGS.threads)
+    several = _start_processes()  # before anything touches a JAX device
+    speak = not several or _is_main_process()
+    if several:
+        _keep_stdout_for_text(speak)
     model = open_model(
         FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None,
         need_tokenizer=not FLAGS.verify_checkpoint,
@@ -275,10 +303,21 @@ def main(argv: list[str]) -> int:
             f"--mode=chat needs a model with a chat template; {model.source} has none "
             "(try --checkpoint=smollm2 after `jllama fetch smollm2`)"
         )
+    if several and FLAGS.mode == "chat":
+        raise JllamaError(
+            "--mode=chat reads stdin, which one process of several cannot share: with "
+            "--num_processes > 1 use --mode=generate and --prompt"
+        )
+    n_devices = _device_count(config, several)
     prompt_ids = []
     if FLAGS.mode == "generate":
-        _warn_invalid_utf8(FLAGS.prompt, tokenizer)
+        if speak:
+            _warn_invalid_utf8(FLAGS.prompt, tokenizer)
         prompt_ids = tokenizer.encode(FLAGS.prompt, parse_special=FLAGS.parse_special)
+        if several:  # process 0's prompt is the one every process feeds
+            from jllama.distributed import agree
+
+            prompt_ids = agree(prompt_ids)
         if not prompt_ids:
             raise JllamaError(
                 f"--prompt is empty and {model.source} adds no BOS token: give a --prompt"
@@ -293,24 +332,29 @@ def main(argv: list[str]) -> int:
         **_sampler_options(),
     )
     seed = sampler.config.seed
+    if several:  # every process samples with process 0's seed (a clock seed differs)
+        from jllama.distributed import agree
+
+        low, high = agree([seed & 0xFFFFFFFF, seed >> 32])
+        seed = low | high << 32
+        sampler = Sampler(
+            temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=seed, **_sampler_options()
+        )
     if tokenizer.vocab_size < config.vocab_size:
         # A padded vocabulary (more model rows than tokens): ids with no token are never drawn.
         sampler = restrict_to_vocabulary(sampler, tokenizer.vocab_size)
-    if FLAGS.temperature > 0 and not FLAGS.seed:
+    if FLAGS.temperature > 0 and not FLAGS.seed and speak:
         print(f"jllama: seed {seed} (repeat with --seed={seed})", file=sys.stderr)
 
-    print(f"jllama: {required_memory(model)}", file=sys.stderr)
-    options = {"decode": FLAGS.decode} if FLAGS.backend == "jax" else {}
-    backend = make_backend(FLAGS.backend, **options)
-    if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
-        runtime.check_kv_cache_fits(config)
-    backend.prepare(config, model.weights)
+    if speak:
+        print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
+    backend = _make_backend(config, model.weights, n_devices, FLAGS.decode, speak)
     decode_loop = _loop_of(backend, sampler, tokenizer, config)
     if FLAGS.mode == "chat":
         return _chat(model, backend, sampler, decode_loop)
 
     steps = resolve_steps(FLAGS.steps, config.seq_len)
-    if len(prompt_ids) > steps:
+    if len(prompt_ids) > steps and speak:
         print(
             f"jllama: warning: the prompt ({len(prompt_ids)} tokens) is longer than "
             f"--steps={steps}; nothing will be generated",
@@ -364,8 +408,97 @@ def main(argv: list[str]) -> int:
         _write_raw(out, FLAGS.prompt)
     out.write(decoder.flush() + "\n")
     out.flush()
-    print(_rates(generation.stats), file=sys.stderr)
+    if speak:
+        print(_rates(generation.stats), file=sys.stderr)
     return 0
+
+
+def _start_processes() -> bool:
+    """Join the other processes (--coordinator, --num_processes, --process_id) through
+    `jax.distributed`; True when this run has several processes."""
+    if FLAGS.num_processes == 1 and not FLAGS.coordinator:
+        if FLAGS.process_id:
+            raise JllamaError(f"--process_id={FLAGS.process_id} needs --num_processes > 1")
+        return False
+    if FLAGS.backend != "jax":
+        raise JllamaError("--num_processes and --coordinator need --backend=jax")
+    from jllama.distributed import DistributedError, start
+
+    try:
+        start(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    except DistributedError as e:
+        raise JllamaError(_as_flag(str(e))) from None
+    return FLAGS.num_processes > 1
+
+
+def _keep_stdout_for_text(speak: bool) -> None:
+    """Keep stdout for the generated text: the libraries under JAX write to file descriptor 1
+    (gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks ..." when its collectives
+    connect), so descriptor 1 goes to stderr and `sys.stdout` writes to a copy of the
+    original. Only process 0 prints the text; the others' goes to /dev/null."""
+    sys.stdout.flush()
+    own = os.dup(1) if speak else os.open(os.devnull, os.O_WRONLY)
+    os.dup2(2, 1)
+    sys.stdout = open(own, "w", encoding=sys.stdout.encoding, errors="replace")
+
+
+def _is_main_process() -> bool:
+    from jllama.distributed import is_main_process
+
+    return is_main_process()
+
+
+def _as_flag(message: str) -> str:
+    """A library message that starts with a setting's name (`devices=3 must ...`) as the
+    flag's (`--devices=3 must ...`)."""
+    return message if message.startswith("--") else "--" + message
+
+
+def _device_count(config, several: bool) -> int:
+    """The devices --devices asks for (0: one, or all of them with several processes),
+    checked against the model's sizes before anything is loaded onto a device."""
+    if FLAGS.devices > 1 and FLAGS.backend != "jax":
+        raise JllamaError(f"--devices={FLAGS.devices} needs --backend=jax")
+    n = FLAGS.devices
+    if n == 0:
+        if not several:
+            return 1
+        import jax
+
+        n = jax.device_count()
+    if n > 1 or several:
+        from jllama.sharding import ShardingError, check_divisible, make_mesh
+
+        try:
+            check_divisible(config, n)
+            make_mesh(n)  # enough devices, and (several processes) a part for every process
+        except ShardingError as e:
+            raise JllamaError(_as_flag(str(e))) from None
+    return n
+
+
+def _make_backend(config, weights, n_devices: int, decode: str, speak: bool = True):
+    """The --backend, prepared: weights converted and placed (split over n_devices when
+    more than one), programs compiled."""
+    options = {"decode": decode} if FLAGS.backend == "jax" else {}
+    if n_devices > 1:
+        options["devices"] = n_devices
+    backend = make_backend(FLAGS.backend, **options)
+    if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
+        runtime.check_kv_cache_fits(config)
+    if n_devices == 1:
+        backend.prepare(config, weights)
+        return backend
+    from jllama.sharding import ShardingError
+
+    try:
+        backend.prepare(config, weights)
+    except ShardingError as e:  # e.g. fewer devices than --devices asks for
+        raise JllamaError(_as_flag(str(e))) from None
+    if speak:
+        for note in getattr(backend, "sharding_notes", ()):
+            print(f"jllama: note: {note}", file=sys.stderr)
+    return backend
 
 
 def _prefill_of(backend):
@@ -575,18 +708,21 @@ def _serve() -> int:
 
     if FLAGS.threads:
         runtime.limit_cpu_threads(FLAGS.threads)
+    if FLAGS.num_processes > 1 or FLAGS.coordinator:
+        raise JllamaError(
+            "serve runs in one process (--devices splits the model over its devices); "
+            "--num_processes and --coordinator are for generation"
+        )
     sock = bind(FLAGS.host, FLAGS.port)  # before the slow load: a busy port fails at once
     model = open_model(
         FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None,
         dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype,
     )
-    print(f"jllama: {required_memory(model)}", file=sys.stderr)
+    n_devices = _device_count(model.config, several=False)
+    print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
     # Requests are sampled on the host (every request brings its own sampler settings).
     decode = "graph" if FLAGS.decode == "loop" else FLAGS.decode
-    backend = make_backend(FLAGS.backend, **({"decode": decode} if FLAGS.backend == "jax" else {}))
-    if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
-        runtime.check_kv_cache_fits(model.config)
-    backend.prepare(model.config, model.weights)
+    backend = _make_backend(model.config, model.weights, n_devices, decode)
     engine = Engine(
         model, backend, use_prefill=FLAGS.prefill == "chunked", max_waiting=FLAGS.max_waiting
     )
