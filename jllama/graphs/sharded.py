@@ -13,6 +13,14 @@ replicated on its own devices, not split across processes.
 
 `sharded_programs(mesh)` returns an object with the attributes the backend calls on the
 `jllama.graphs` module (`qkv`, `attention`, ...), so the backend runs either one.
+
+On XLA CPU each call waits for its results (`wait=True`). XLA CPU runs each device's part of
+a program as a task of one thread pool, and a collective holds its thread until every device
+arrives. With calls queued behind each other (JAX's asynchronous dispatch), a device's part
+of the block program waited for a thread that the other device's waiting all-reduce held:
+XLA aborted after its 40 s rendezvous timeout (TinyLlama-1.1B's shape, 22 layers, 2 forced
+host devices on 2 cores, `--decode=graph`; JAX 0.10.2). Waiting for each program before
+queueing the next never deadlocked.
 """
 
 from __future__ import annotations
@@ -26,7 +34,17 @@ from jllama import graphs
 from jllama.sharding import AXIS
 
 
-def sharded_programs(mesh: Mesh) -> types.SimpleNamespace:
+def _waiting(program):
+    """`program` that returns only once its results are computed (`.lower` kept)."""
+
+    def call(*args, **kwargs):
+        return jax.block_until_ready(program(*args, **kwargs))
+
+    call.lower = program.lower
+    return call
+
+
+def sharded_programs(mesh: Mesh, wait: bool | None = None) -> types.SimpleNamespace:
     """The decode, prefill, fused and loop programs jitted for `mesh` (1-D, axis `AXIS`).
 
     Each keeps its `jllama.graphs` counterpart's arguments, static arguments and donations;
@@ -34,17 +52,24 @@ def sharded_programs(mesh: Mesh) -> types.SimpleNamespace:
     `jllama.sharding.qkv_row_order`). Output layouts: q, the attention output and cache
     blocks split along the head axis; the residual stream, logits and sampled tokens
     replicated.
+
+    wait: each call returns once its results are computed (see the module's note); None:
+    when the mesh's devices are CPUs.
     """
     rep = NamedSharding(mesh, PartitionSpec())
     heads = NamedSharding(mesh, PartitionSpec(AXIS))  # axis 0: heads
     token_heads = NamedSharding(mesh, PartitionSpec(None, AXIS))  # [T, heads ...]
     donate_block = ("key_block", "value_block")
 
+    if wait is None:
+        wait = mesh.devices.flat[0].platform == "cpu"
+
     def jit(program, out, static_argnames=(), donate=()):
-        return jax.jit(
+        compiled = jax.jit(
             program.__wrapped__, static_argnums=0, static_argnames=static_argnames,
             donate_argnames=donate, out_shardings=out,
         )
+        return _waiting(compiled) if wait else compiled
 
     return types.SimpleNamespace(
         qkv=jit(graphs.qkv, (heads, heads, heads), ("shards",), donate_block),
