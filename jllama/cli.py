@@ -122,11 +122,12 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_enum(
     "decode",
-    "graph",
-    ["graph", "fused", "loop"],
-    "jax backend: graph = three compiled programs per layer (the default); fused = one program "
-    "for all layers per token; loop = 16 tokens per program call, sampled on the device "
-    "(temperature/top_p/seed sampling only). See README for which is faster where.",
+    "auto",
+    ["auto", "graph", "fused", "loop"],
+    "jax backend: graph = three compiled programs per layer; fused = one program for all layers "
+    "per token; loop = 16 tokens per program call, sampled on the device (temperature/top_p/"
+    "seed sampling only); auto = loop where it can sample (run.c's sampler, a tokenizer that "
+    "covers every logit), else graph. See README for the speed of each.",
 )
 flags.DEFINE_enum(
     "prefill",
@@ -348,8 +349,9 @@ def main(argv: list[str]) -> int:
 
     if speak:
         print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
-    backend = _make_backend(config, model.weights, n_devices, FLAGS.decode, speak)
-    decode_loop = _loop_of(backend, sampler, tokenizer, config)
+    decode = _decode_mode(tokenizer, config)
+    backend = _make_backend(config, model.weights, n_devices, decode, speak)
+    decode_loop = _loop_of(decode, backend, sampler, tokenizer, config)
     if FLAGS.mode == "chat":
         return _chat(model, backend, sampler, decode_loop)
 
@@ -598,9 +600,20 @@ def _read_message(interactive: bool) -> str | None:
         return "\n".join(lines)
 
 
-def _loop_of(backend, sampler, tokenizer, config):
-    """The on-device decode loop for --decode=loop (jax backend), else None."""
-    if FLAGS.decode != "loop" or not hasattr(backend, "decode_loop"):
+def _decode_mode(tokenizer, config) -> str:
+    """--decode with auto resolved: loop where the device loop can sample (run.c's sampler,
+    a tokenizer covering every logit: loop is the fastest mode here, bench/NOTES.md), else
+    graph."""
+    if FLAGS.decode != "auto":
+        return FLAGS.decode
+    if _llama_cpp_sampler_flags() or tokenizer.vocab_size < config.vocab_size:
+        return "graph"
+    return "loop"
+
+
+def _loop_of(decode, backend, sampler, tokenizer, config):
+    """The on-device decode loop when `decode` is loop (jax backend), else None."""
+    if decode != "loop" or not hasattr(backend, "decode_loop"):
         return None
     if tokenizer.vocab_size < config.vocab_size:
         _fail(
@@ -671,6 +684,12 @@ def _chat(model, backend, sampler, decode_loop=None) -> int:
     return 0
 
 
+def _llama_cpp_sampler_flags() -> list[str]:
+    """The llama.cpp sampler flags given on the command line (the device loop has none)."""
+    return [f"--{name}" for name in ("top_k", "min_p", "repeat_penalty", "presence_penalty",
+                                      "frequency_penalty") if FLAGS[name].present]
+
+
 def _sampler_options() -> dict:
     """The llama.cpp sampler flags as `Sampler` keyword arguments."""
     options = {
@@ -679,8 +698,7 @@ def _sampler_options() -> dict:
         "frequency_penalty": FLAGS.frequency_penalty, "penalty_last_n": FLAGS.penalty_last_n,
         "order": tuple(FLAGS.samplers),
     }
-    changed = [f"--{name}" for name in ("top_k", "min_p", "repeat_penalty", "presence_penalty",
-                                         "frequency_penalty") if FLAGS[name].present]
+    changed = _llama_cpp_sampler_flags()
     if changed and FLAGS.decode == "loop":
         raise JllamaError(
             f"--decode=loop samples on the device with temperature and top_p only; "
@@ -721,7 +739,7 @@ def _serve() -> int:
     n_devices = _device_count(model.config, several=False)
     print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
     # Requests are sampled on the host (every request brings its own sampler settings).
-    decode = "graph" if FLAGS.decode == "loop" else FLAGS.decode
+    decode = "graph" if FLAGS.decode in ("loop", "auto") else FLAGS.decode
     backend = _make_backend(model.config, model.weights, n_devices, decode)
     engine = Engine(
         model, backend, use_prefill=FLAGS.prefill == "chunked", max_waiting=FLAGS.max_waiting

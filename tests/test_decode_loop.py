@@ -165,3 +165,15 @@ def test_loop_refuses_llama_cpp_samplers(stories260k):
     b = _loop_backend(*stories260k)
     with pytest.raises(ValueError, match="temperature, top_p and seed only"):
         loop_decoder(b, Sampler(temperature=1.0, top_p=0.9, seed=3, top_k=40), ())
+
+
+def test_vanishing_temperature_shares_the_mass_among_the_maxima():
+    """As the host sampler: logits / 1e-45 overflows (and XLA CPU flushes the subnormal
+    temperature to 0), so the maxima share the mass: probs 0, 1/2, 1/2, 0 here."""
+    logits = jnp.array([1.0, 3.0, 3.0, 2.0], jnp.float32)
+    sample = jax.jit(graphs.sample_on_device, static_argnums=1)
+    t, one = jnp.float32(1e-45), jnp.float32(1.0)
+    assert [int(sample(logits, "mult", t, one, jnp.float32(c))) for c in (0.2, 0.7)] == [1, 2]
+    host = [Sampler(temperature=1e-45, top_p=1.0, seed=1) for _ in range(2)]
+    assert int(sample(logits, "mult", t, one, host[0].rng.random_f32())) == host[1].sample(
+        np.asarray(logits))

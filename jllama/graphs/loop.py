@@ -41,8 +41,8 @@ def first_true(mask: jax.Array) -> jax.Array:
 
 def first_max(x: jax.Array) -> jax.Array:
     """The first index of the maximum of a float vector without NaNs (`jnp.argmax`'s answer,
-    ties to the lowest index as run.c's strict `>` scan)."""
-    return first_true(x == jnp.max(x))
+    ties to the lowest index as run.c's strict `>` scan); never beyond the last index."""
+    return jnp.minimum(first_true(x == jnp.max(x)), x.shape[0] - 1)
 
 
 def sample_on_device(
@@ -67,10 +67,11 @@ def sample_on_device(
         return first_max(logits)
     scaled = logits / temperature
     # As `Sampler.sample`: a temperature so small that the division overflows is the limit of
-    # a vanishing temperature (the most likely tokens share the mass).
-    scaled = jnp.where(
-        jnp.isfinite(jnp.max(scaled)), scaled, (logits - jnp.max(logits)) / temperature
-    )
+    # a vanishing temperature (the most likely tokens share the mass). XLA CPU flushes a
+    # subnormal temperature to 0, so the maxima are set to 0 explicitly (0 / 0 would be NaN).
+    top = jnp.max(logits)
+    vanishing = jnp.where(logits == top, jnp.float32(0), (logits - top) / temperature)
+    scaled = jnp.where(jnp.isfinite(jnp.max(scaled)), scaled, vanishing)
     probs = jax.nn.softmax(scaled)
     n = probs.shape[0]
     if kind == "mult":
