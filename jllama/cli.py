@@ -686,8 +686,11 @@ def _chat(model, backend, sampler, decode_loop=None) -> int:
 
 def _llama_cpp_sampler_flags() -> list[str]:
     """The llama.cpp sampler flags given on the command line (the device loop has none)."""
-    return [f"--{name}" for name in ("top_k", "min_p", "repeat_penalty", "presence_penalty",
-                                      "frequency_penalty") if FLAGS[name].present]
+    changed = [f"--{name}" for name in ("top_k", "min_p", "repeat_penalty", "presence_penalty",
+                                         "frequency_penalty") if FLAGS[name].present]
+    if tuple(FLAGS.samplers) != FILTERS:  # another order than run.c's temperature, then top-p
+        changed.append("--samplers")
+    return changed
 
 
 def _sampler_options() -> dict:

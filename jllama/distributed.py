@@ -42,7 +42,8 @@ def check_settings(coordinator: str | None, num_processes: int, process_id: int)
         )
     if num_processes > 1 and not coordinator:
         raise DistributedError(
-            f"num_processes={num_processes} needs a coordinator (HOST:PORT of process 0)"
+            f"num_processes={num_processes} needs a coordinator: HOST:PORT of process 0 "
+            "(--coordinator on the command line)"
         )
     if coordinator and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", coordinator):
         raise DistributedError(f"coordinator={coordinator!r} must be HOST:PORT")

@@ -26,7 +26,18 @@ def test_bad_sampler_flags_are_one_line_errors():
         (["--min_p=2"], "--min_p"),
         (["--repeat_penalty=0"], "--repeat_penalty"),
         (["--decode=loop", "--top_k=3"], "--top_k"),
+        (["--decode=loop", "--samplers=top_k,top_p,min_p,temperature"], "--samplers"),
     ]:
         done = run(*args)
         assert done.returncode == 1, args
         assert done.stderr.count("\n") == 1 and name in done.stderr, done.stderr
+
+
+def test_auto_decode_samples_on_the_host_with_another_order():
+    """top_p before temperature (llama.cpp's order) is not run.c's rule, so --decode=auto
+    must not pick the device loop: the story equals --decode=graph's, not the loop's."""
+    common = ["--temperature=0.6", "--top_p=0.8", "--seed=11", "--steps=120"]
+    args = ["--samplers=top_k,top_p,min_p,temperature", *common]
+    auto, graph = run(*args), run(*args, "--decode=graph")
+    assert auto.returncode == 0 and auto.stdout == graph.stdout
+    assert run(*common).stdout != graph.stdout  # the order matters at this temperature

@@ -332,6 +332,12 @@ BAD = [
     ("/v1/completions", {**GOOD, "prompt": "word " * 3000}, 400, "prompt"),  # over the context
     ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", b"x" * (10 * 1024 * 1024), 413, None),  # a 10 MB body
+    # Half a UTF-16 pair: valid JSON, not Unicode text (was a 500 from the tokenizer).
+    ("/v1/completions", b'{"model": "stories260K", "prompt": "\\ud83d", "max_tokens": 2}', 400,
+     "prompt"),
+    ("/v1/chat/completions",
+     b'{"model": "stories260K", "messages": [{"role": "user", "content": "a\\udc00"}]}', 400,
+     "messages[0].content"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0].role"),

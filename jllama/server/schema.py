@@ -290,7 +290,15 @@ def parse_body(body: bytes, kind: type[_Sampling]) -> _Sampling:
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+        raise APIError(400, f"the body must be a JSON object, got {_json_type(data)}")
+    where = _lone_surrogate(data, "")
+    if where is not None:
+        # JSON's \uD83D escapes can encode half of a UTF-16 pair, which is no Unicode text:
+        # refuse it here rather than fail when the tokenizer encodes it.
+        raise APIError(
+            400, f"{where}: holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF "
+            "escape), which is not valid Unicode text", param=where,
+        )
     try:
         return kind.model_validate(data)
     except ValidationError as e:
@@ -299,4 +307,42 @@ def parse_body(body: bytes, kind: type[_Sampling]) -> _Sampling:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             raise APIError(400, f"{param}: this field is required", param=param) from None
-        raise APIError(400, f"{param}: {msg} (got {_short(err.get('input'))})", param=param) from None
+        if "got " not in msg:  # the validators' own messages already say what they got
+            msg = f"{msg} (got {_short(err.get('input'))})"
+        raise APIError(400, f"{param}: {msg}", param=param) from None
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path (e.g. "messages[0].content") of the first string in `value` holding a lone
+    surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, path) or _lone_surrogate(
+                item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
