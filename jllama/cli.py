@@ -461,6 +461,9 @@ def _device_count(config, several: bool) -> int:
     checked against the model's sizes before anything is loaded onto a device."""
     if FLAGS.devices > 1 and FLAGS.backend != "jax":
         raise JllamaError(f"--devices={FLAGS.devices} needs --backend=jax")
+    if FLAGS["decode"].present and FLAGS.decode != "auto" and FLAGS.backend != "jax":
+        raise JllamaError(f"--decode={FLAGS.decode} is a mode of the jax backend, not of "
+                          f"--backend={FLAGS.backend}")
     n = FLAGS.devices
     if n == 0:
         if not several:
@@ -554,7 +557,12 @@ def _convert() -> int:
             exact_group_size=FLAGS["group_size"].present,
         )
     except JllamaError as e:
-        raise type(e)(str(e).replace("force=True", "--force")) from None
+        message = str(e).replace("force=True", "--force")
+        # The writer names its file "checkpoint"; here that file is --output.
+        written = f"checkpoint {FLAGS.output}:"
+        if message.startswith(written):
+            message = f"--output={FLAGS.output}:" + message[len(written):]
+        raise type(e)(message) from None
     line = (
         f"wrote {report.destination}: llama2.c version {report.version}, "
         f"{report.nbytes} bytes, from {report.source_format} {report.source}"

@@ -27,6 +27,7 @@ def test_bad_sampler_flags_are_one_line_errors():
         (["--repeat_penalty=0"], "--repeat_penalty"),
         (["--decode=loop", "--top_k=3"], "--top_k"),
         (["--decode=loop", "--samplers=top_k,top_p,min_p,temperature"], "--samplers"),
+        (["--backend=numpy", "--decode=fused"], "--decode=fused"),
     ]:
         done = run(*args)
         assert done.returncode == 1, args

@@ -120,3 +120,13 @@ def test_settings_llama2c_cannot_hold_are_refused_unless_forced(tmp_path):
 def test_bad_version_is_refused_before_reading(tmp_path):
     with pytest.raises(ConfigError, match="version=5"):
         convert(tmp_path / "does-not-exist.gguf", tmp_path / "x.bin", version=5)
+
+
+def test_cli_names_the_output_flag_when_it_cannot_write(tmp_path):
+    from test_cli import run
+
+    target = tmp_path / "a_folder.bin"
+    target.mkdir()
+    done = run("convert", f"--checkpoint={STORIES260K}", f"--output={target}")
+    assert done.returncode == 1
+    assert done.stderr == f"jllama: error: --output={target}: exists and is not a regular file\n"
