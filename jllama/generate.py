@@ -81,6 +81,13 @@ class GenerationStats:
         return self.decode_steps / self.decode_seconds
 
 
+def _not_finite(pos: int) -> NumericsError:
+    return NumericsError(
+        f"the model's logits at position {pos} are not finite (NaN or inf): "
+        "the checkpoint's weights may be broken (check with --verify_checkpoint)"
+    )
+
+
 class Generation:
     """An iterator over the tokens of one generation, with its `stats` and `generated_ids`.
 
@@ -185,10 +192,7 @@ class Generation:
                 next_token, sampled = prompt[i + 1], False
             else:
                 if not np.isfinite(logits).all():
-                    raise NumericsError(
-                        f"the model's logits at position {pos} are not finite (NaN or inf): "
-                        "the checkpoint's weights may be broken (check with --verify_checkpoint)"
-                    )
+                    raise _not_finite(pos)
                 if self._history is None:
                     next_token = int(sample(logits))
                 else:
@@ -231,7 +235,4 @@ class Generation:
                 yield Token(id=next_token, prev=token, pos=pos + 1, sampled=True)
                 token, pos, i = next_token, pos + 1, i + 1
             if not finite:
-                raise NumericsError(
-                    f"the model's logits at position {pos} are not finite (NaN or inf): "
-                    "the checkpoint's weights may be broken (check with --verify_checkpoint)"
-                )
+                raise _not_finite(pos)
