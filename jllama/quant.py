@@ -89,7 +89,10 @@ def quantize_int8(w: np.ndarray) -> Int8Matrix:
     absmax = np.max(np.abs(w), axis=-1)
     if not np.all(np.isfinite(absmax)):
         raise ValueError("quantize_int8: the matrix has non-finite values")
-    scale = np.where(absmax > 0, absmax / np.float32(INT8_MAX), np.float32(1)).astype(np.float32)
+    # A row of subnormals tiny enough that absmax / 127 underflows to 0 gets the smallest
+    # subnormal step instead (its values are then < 127 steps: q stays in range).
+    step = np.maximum(absmax / np.float32(INT8_MAX), np.finfo(np.float32).smallest_subnormal)
+    scale = np.where(absmax > 0, step, np.float32(1)).astype(np.float32)
     q = np.clip(np.rint(w / scale[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8)
     return Int8Matrix(q=q, scale=scale)
 
