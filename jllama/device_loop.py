@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jllama.backends.jax_graph import LOOP_CHUNK
 from jllama.errors import SamplerError
 from jllama.sampling import Sampler, XorShiftRng
 
@@ -61,7 +62,7 @@ def loop_decoder(
         coins = None
         if kind != "greedy":
             start = sampler.rng.state
-            coins = [sampler.rng.random_f32() for _ in range(min(n, _chunk(backend)))]
+            coins = [sampler.rng.random_f32() for _ in range(min(n, LOOP_CHUNK))]
         ids, finite = backend.decode_loop(
             token, pos, n, kind=kind, temperature=config.temperature, top_p=config.top_p,
             coins=coins, stop_ids=stop,
@@ -75,12 +76,6 @@ def loop_decoder(
         return ids, finite
 
     return decode_loop
-
-
-def _chunk(backend) -> int:
-    from jllama.backends.jax_graph import LOOP_CHUNK
-
-    return getattr(backend, "loop_chunk", LOOP_CHUNK)
 
 
 def _runc_settings_only(sampler: Sampler) -> bool:

@@ -315,7 +315,6 @@ class JaxGraphBackend:
                 tp = self.tensor_parallel
                 table = self.token_embedding_table
                 self._loop_embedding = tp.put(table, tp.classifier_spec(table))
-        wcls = self.wcls
         def others(blocks):  # the first k blocks, zeros in the current one's slot
             return tuple(self._zero_block if i == cur else blocks[i] for i in range(k))
 
@@ -326,7 +325,7 @@ class JaxGraphBackend:
             tuple(vc[cur] for vc in self.value_cache),
             tuple(others(kc) for kc in self.key_cache),
             tuple(others(vc) for vc in self.value_cache), arg(np.int32(cur)), self.inv_freq,
-            self.rms_final_weight, wcls, arg(np.float32(temperature)), arg(np.float32(top_p)),
+            self.rms_final_weight, self.wcls, arg(np.float32(temperature)), arg(np.float32(top_p)),
             arg(draws), arg(stops), n_steps=LOOP_CHUNK, kind=kind, shards=self._shards,
         )
         for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,

@@ -74,14 +74,21 @@ def block_weighted_sum(weights: jax.Array, value_blocks, spec: str) -> jax.Array
     return out
 
 
+def causal_softmax(scores: jax.Array, pos: jax.Array) -> jax.Array:
+    """Softmax over the last axis (cache positions) of `scores`, positions after `pos` masked
+    out (causal attention). pos: an int32 scalar (one query), or int32[T], the position of
+    each query on the second-to-last axis of scores (a prefill chunk)."""
+    visible = jnp.arange(scores.shape[-1]) <= jnp.expand_dims(pos, -1)
+    return jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+
+
 def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax.Array):
     """The attention formula over blocks (traced; shared by the programs): q: f32[n_heads,
     head_dim], blocks as in `attention` -> f32[q_dim]."""
     c = config
     qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
     scores = block_scores(qg, key_blocks, "gmd,gsd->gms") / jnp.sqrt(jnp.float32(c.head_dim))
-    visible = jnp.arange(scores.shape[-1]) <= pos
-    weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    weights = causal_softmax(scores, pos)
     return block_weighted_sum(weights, value_blocks, "gms,gsd->gmd").reshape(c.q_dim)
 
 
@@ -99,9 +106,7 @@ def attend_current(
     scores = block_scores(qg, key_blocks, "gmd,gsd->gms")
     own = jnp.einsum("gmd,gsd->gms", qg, key_cur, precision=PRECISION)
     scores = jax.lax.dynamic_update_slice(scores, own, (zero, zero, cur * size))
-    scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
-    visible = jnp.arange(scores.shape[-1]) <= pos
-    weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    weights = causal_softmax(scores / jnp.sqrt(jnp.float32(c.head_dim)), pos)
     own_weights = jax.lax.dynamic_slice(
         weights, (zero, zero, cur * size), (c.n_kv_heads, c.kv_mul, size)
     )

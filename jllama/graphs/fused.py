@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jllama.config import ModelConfig
-from jllama.graphs.attention import block_scores, block_weighted_sum
+from jllama.graphs.attention import block_scores, block_weighted_sum, causal_softmax
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.ops import PRECISION, matmul, rmsnorm, rope, split_qkv
@@ -72,8 +72,7 @@ def decode_step(
             here = jnp.arange(scores.shape[-1]) == pos
             own = jnp.einsum("gmd,gd->gm", qg, k, precision=PRECISION) / scale
             scores = jnp.where(here, own[..., None], scores)
-            visible = jnp.arange(scores.shape[-1]) <= pos
-            weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+            weights = causal_softmax(scores, pos)
             own_weight = jnp.sum(jnp.where(here, weights, 0), axis=-1)  # [g, m]
             att = block_weighted_sum(jnp.where(here, 0, weights), value_blocks[l],
                                      "gms,gsd->gmd") + own_weight[..., None] * v[:, None, :]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jllama.config import ModelConfig
-from jllama.graphs.attention import block_scores, block_weighted_sum
+from jllama.graphs.attention import block_scores, block_weighted_sum, causal_softmax
 from jllama.graphs.ops import PRECISION, split_qkv
 from jllama.quant import Int8Matrix
 
@@ -142,9 +142,7 @@ def attention_chunk(
         scores = block_scores(qg, key_blocks, "tgmd,gsd->gmts")
         scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
         query_pos = pos + jnp.arange(t, dtype=jnp.int32)
-        visible = jnp.arange(scores.shape[-1])[None, :] <= query_pos[:, None]  # [T, window]
-        scores = jnp.where(visible, scores, -jnp.inf)
-        weights = jax.nn.softmax(scores, axis=-1)
+        weights = causal_softmax(scores, query_pos)  # token t sees positions <= query_pos[t]
         att = block_weighted_sum(weights, value_blocks, "gmts,gsd->tgmd")
     return att.reshape(t, c.q_dim)
 
