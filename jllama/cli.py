@@ -18,7 +18,7 @@ from jllama import runtime
 from jllama.backends import backend_names, make_backend
 from jllama.chat import ChatTemplate
 from jllama.conversation import ContextFullError, Conversation
-from jllama.errors import ChatError, JllamaError
+from jllama.errors import BackendError, ChatError, JllamaError
 from jllama.fetch import KNOWN_MODELS, fetch
 from jllama.files import require_regular_file
 from jllama.generate import Generation, GenerationStats, resolve_steps
@@ -128,6 +128,15 @@ flags.DEFINE_enum(
     "per token; loop = 16 tokens per program call, sampled on the device (temperature/top_p/"
     "seed sampling only); auto = loop where it can sample (run.c's sampler, a tokenizer that "
     "covers every logit), else graph. See README for the speed of each.",
+)
+flags.DEFINE_enum(
+    "matvec",
+    "auto",
+    ["auto", "xla", "kernel"],
+    "jax backend: how decode computes its matrix-vector products. kernel = jllama's CPU "
+    "kernels (built once with the system's C++ compiler into $JLLAMA_HOME/kernels; int8 and "
+    "bfloat16 weights stream at f32's bytes/s instead of being widened by XLA); xla = "
+    "jnp.dot; auto = kernel on one CPU device when it builds, else xla.",
 )
 flags.DEFINE_enum(
     "prefill",
@@ -461,9 +470,10 @@ def _device_count(config, several: bool) -> int:
     checked against the model's sizes before anything is loaded onto a device."""
     if FLAGS.devices > 1 and FLAGS.backend != "jax":
         raise JllamaError(f"--devices={FLAGS.devices} needs --backend=jax")
-    if FLAGS["decode"].present and FLAGS.decode != "auto" and FLAGS.backend != "jax":
-        raise JllamaError(f"--decode={FLAGS.decode} is a mode of the jax backend, not of "
-                          f"--backend={FLAGS.backend}")
+    for name in ("decode", "matvec"):
+        if FLAGS[name].present and FLAGS[name].value != "auto" and FLAGS.backend != "jax":
+            raise JllamaError(f"--{name}={FLAGS[name].value} is a mode of the jax backend, "
+                              f"not of --backend={FLAGS.backend}")
     n = FLAGS.devices
     if n == 0:
         if not several:
@@ -485,14 +495,20 @@ def _device_count(config, several: bool) -> int:
 def _make_backend(config, weights, n_devices: int, decode: str, speak: bool = True):
     """The --backend, prepared: weights converted and placed (split over n_devices when
     more than one), programs compiled."""
-    options = {"decode": decode} if FLAGS.backend == "jax" else {}
+    options = {"decode": decode, "matvec": FLAGS.matvec} if FLAGS.backend == "jax" else {}
     if n_devices > 1:
         options["devices"] = n_devices
     backend = make_backend(FLAGS.backend, **options)
     if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
         runtime.check_kv_cache_fits(config)
     if n_devices == 1:
-        backend.prepare(config, weights)
+        try:
+            backend.prepare(config, weights)
+        except BackendError as e:  # e.g. "matvec=kernel: no C++ compiler ..."
+            raise BackendError(_as_flag(str(e)) if str(e).startswith("matvec=") else str(e)) from None
+        if speak and getattr(backend, "matvec_note", ""):
+            print(f"jllama: note: using XLA's products (--matvec=xla): {backend.matvec_note}",
+                  file=sys.stderr)
         return backend
     from jllama.sharding import ShardingError
 

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from jllama import graphs
 from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
+from jllama import kernels
 from jllama.errors import BackendError
 from jllama.quant import embedding_rows
 from jllama.rope import rope_frequencies
@@ -47,6 +48,11 @@ LOOP_STOP_IDS = 8
 """Tokens one `decode_loop` call samples at most (the compiled loop's capacity): the host sees
 tokens in chunks of this many. LOOP_STOP_IDS: the most stop tokens it takes."""
 
+MATVEC = ("auto", "xla", "kernel")
+"""How the decode programs compute their matrix-vector products (`jllama.graphs.ops.matmul`):
+"kernel": jllama's CPU kernels (`jllama.kernels`); "xla": `jnp.dot`; "auto": the kernels on one
+CPU device when they build here, else XLA."""
+
 PREFILL_CHUNKS = (64, 8)
 """Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
 chunks of these sizes and the fewer-than-8 tokens left go through the decode programs."""
@@ -63,12 +69,15 @@ class JaxGraphBackend:
         `jllama.sharding` lays it out; 1 (the default) runs on `device`.
       mesh: a 1-D `jax.sharding.Mesh` with axis `jllama.sharding.AXIS` to split the model
         over instead (then `devices` is ignored).
+      matvec: one of `MATVEC`; resolved to "xla" or "kernel" by `prepare`.
 
     Raises:
       BackendError: JAX cannot start its default device (e.g. JAX_PLATFORMS names a missing
         platform).
       ShardingError (at `prepare`): the model does not split over the devices
         (`jllama.sharding.check_divisible`), or there are fewer devices than asked.
+      KernelBuildError (at `prepare`, a `BackendError`): matvec="kernel" and the kernels do
+        not build here, or the model is not on one CPU device.
 
     Attributes:
       name: "jax".
@@ -77,6 +86,9 @@ class JaxGraphBackend:
       tensor_parallel: the `jllama.sharding.TensorParallel` layout after `prepare` when split
         over several devices, else None.
       sharding_notes: what `prepare` replicated instead of splitting (one line each).
+      matvec: "xla" or "kernel" after `prepare` (the requested mode before).
+      matvec_note: why matvec="auto" chose "xla" on a CPU (the kernels' build error, one
+        line), or "" when it did not.
     """
 
     name = "jax"
@@ -87,12 +99,17 @@ class JaxGraphBackend:
         decode: str = "graph",
         devices: int = 1,
         mesh: Mesh | None = None,
+        matvec: str = "auto",
     ):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode={decode!r}; known modes: {', '.join(DECODE_MODES)}")
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r} must be an integer >= 1")
+        if matvec not in MATVEC:
+            raise ValueError(f"matvec={matvec!r}; known: {', '.join(MATVEC)}")
         self.decode = decode
+        self.matvec = matvec
+        self.matvec_note = ""
         self.devices = mesh.size if mesh is not None else devices
         self._mesh = mesh
         self.tensor_parallel: TensorParallel | None = None
@@ -124,6 +141,7 @@ class JaxGraphBackend:
         if self.devices > 1:
             self._split_over_devices(config)
         self.config = config
+        self.matvec = self._resolve_matvec(self.matvec)
         host = to_graph_weights(weights)
         # The embedding table stays on the host: one row per token is all a step needs.
         self.token_embedding_table = host.token_embedding_table
@@ -159,6 +177,27 @@ class JaxGraphBackend:
         # position 0 is rewritten by the first real step and later positions are masked.
         self.forward(0, 0)
         self.compile_seconds = time.perf_counter() - start
+
+    def _resolve_matvec(self, requested: str) -> str:
+        """"xla" or "kernel" for `requested`, building the kernels when they may be used."""
+        if requested == "xla":
+            return "xla"
+        if self.tensor_parallel is not None or self.device.platform != "cpu":
+            if requested == "kernel":
+                where = ("split over devices" if self.tensor_parallel is not None
+                         else f"on {self.device.platform}")
+                raise kernels.KernelBuildError(
+                    f"matvec=kernel runs on one CPU device only, not {where}"
+                )
+            return "xla"
+        try:
+            kernels.load()
+        except kernels.KernelBuildError as e:
+            if requested == "kernel":
+                raise kernels.KernelBuildError(f"matvec=kernel: {e}") from None
+            self.matvec_note = str(e)
+            return "xla"
+        return "kernel"
 
     def _split_over_devices(self, config: ModelConfig) -> None:
         """Choose the mesh and the layout, and the programs that run under it."""
@@ -327,6 +366,7 @@ class JaxGraphBackend:
             tuple(others(vc) for vc in self.value_cache), arg(np.int32(cur)), self.inv_freq,
             self.rms_final_weight, self.wcls, arg(np.float32(temperature)), arg(np.float32(top_p)),
             arg(draws), arg(stops), n_steps=LOOP_CHUNK, kind=kind, shards=self._shards,
+            matvec=self.matvec,
         )
         for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,
                                       strict=True):
@@ -360,7 +400,7 @@ class JaxGraphBackend:
             logits, new_k, new_v = programs.decode_step(
                 config, x, self.layers, tuple(tuple(kc[:k]) for kc in self.key_cache),
                 tuple(tuple(vc[:k]) for vc in self.value_cache), pos_arr, self.inv_freq,
-                self.rms_final_weight, self.wcls, shards=self._shards,
+                self.rms_final_weight, self.wcls, shards=self._shards, matvec=self.matvec,
             )
             keys, values = programs.write_caches(
                 config, tuple(kc[b] for kc in self.key_cache),
@@ -374,11 +414,13 @@ class JaxGraphBackend:
             keys, values = self.key_cache[l], self.value_cache[l]
             q, keys[b], values[b] = programs.qkv(
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
-                self.inv_freq, shards=self._shards,
+                self.inv_freq, shards=self._shards, matvec=self.matvec,
             )
             att = programs.attention(config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr)
             x = programs.block(
-                config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
+                config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3,
+                matvec=self.matvec,
             )
-        logits = programs.classifier(config, x, self.rms_final_weight, self.wcls)
+        logits = programs.classifier(config, x, self.rms_final_weight, self.wcls,
+                                     matvec=self.matvec)
         return np.asarray(logits)

@@ -11,7 +11,7 @@ from jllama.config import ModelConfig
 from jllama.graphs.ops import matmul, rmsnorm
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
 def block(
     config: ModelConfig,
     x: jax.Array,
@@ -21,6 +21,8 @@ def block(
     w1: jax.Array,
     w2: jax.Array,
     w3: jax.Array,
+    *,
+    matvec: str = "xla",
 ) -> jax.Array:
     """The rest of one layer after attention, as llama2.c run.c.
 
@@ -32,12 +34,14 @@ def block(
       att: f32[q_dim], the attention output.
       wo: f32[dim, q_dim]; rms_ffn_weight: f32[dim];
       w1, w3: f32[hidden_dim, dim]; w2: f32[dim, hidden_dim] (out x in).
+      matvec: static; how the products run, "xla" or "kernel" (`jllama.graphs.ops.matmul`).
 
     Returns:
       f32[dim], the residual stream leaving the layer.
     """
     with jax.named_scope("wo"):
-        x = x + matmul(wo, att)
+        x = x + matmul(wo, att, matvec)
     with jax.named_scope("ffn"):
         h = rmsnorm(x, rms_ffn_weight, config.norm_eps)
-        return x + matmul(w2, jax.nn.silu(matmul(w1, h)) * matmul(w3, h))
+        gate = jax.nn.silu(matmul(w1, h, matvec)) * matmul(w3, h, matvec)
+        return x + matmul(w2, gate, matvec)

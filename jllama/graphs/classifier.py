@@ -10,9 +10,14 @@ from jllama.config import ModelConfig
 from jllama.graphs.ops import matmul, rmsnorm
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
 def classifier(
-    config: ModelConfig, x: jax.Array, rms_final_weight: jax.Array, wcls: jax.Array
+    config: ModelConfig,
+    x: jax.Array,
+    rms_final_weight: jax.Array,
+    wcls: jax.Array,
+    *,
+    matvec: str = "xla",
 ) -> jax.Array:
     """Logits for the next token, as llama2.c run.c.
 
@@ -20,9 +25,10 @@ def classifier(
       config: static.
       x: f32[dim], the residual stream after the last layer.
       rms_final_weight: f32[dim]; wcls: f32[vocab_size, dim] (out x in).
+      matvec: static; "xla" or "kernel" (`jllama.graphs.ops.matmul`).
 
     Returns:
       logits: f32[vocab_size].
     """
     with jax.named_scope("classifier"):
-        return matmul(wcls, rmsnorm(x, rms_final_weight, config.norm_eps))
+        return matmul(wcls, rmsnorm(x, rms_final_weight, config.norm_eps), matvec)

@@ -27,7 +27,7 @@ from jllama.graphs.classifier import classifier
 from jllama.graphs.ops import PRECISION, matmul, rmsnorm, rope, split_qkv
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("shards",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("shards", "matvec"))
 def decode_step(
     config: ModelConfig,
     x: jax.Array,
@@ -40,6 +40,7 @@ def decode_step(
     wcls: jax.Array,
     *,
     shards: int = 1,
+    matvec: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token through all layers and the classifier, as llama2.c run.c's `forward`.
 
@@ -54,6 +55,7 @@ def decode_step(
       pos: int32 scalar, 0 <= pos < k * block_length.
       inv_freq: f32[head_dim // 2]; rms_final_weight: f32[dim]; wcls: [vocab_size, dim].
       shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
+      matvec: static; "xla" or "kernel" (`jllama.graphs.ops.matmul`).
 
     Returns:
       (logits f32[vocab_size], new_k, new_v): the keys and values as n_layers arrays
@@ -64,7 +66,7 @@ def decode_step(
     new_k, new_v = [], []
     for l, layer in enumerate(layers):
         with jax.named_scope(f"layer{l}"):
-            qkv_out = matmul(layer.wqkv, rmsnorm(x, layer.rms_att_weight, c.norm_eps))
+            qkv_out = matmul(layer.wqkv, rmsnorm(x, layer.rms_att_weight, c.norm_eps), matvec)
             q, k, v = split_qkv(c, qkv_out, shards)
             q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
             qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
@@ -78,11 +80,11 @@ def decode_step(
                                      "gms,gsd->gmd") + own_weight[..., None] * v[:, None, :]
             x = block.__wrapped__(
                 c, x, att.reshape(c.q_dim), layer.wo, layer.rms_ffn_weight, layer.w1,
-                layer.w2, layer.w3,
+                layer.w2, layer.w3, matvec=matvec,
             )
             new_k.append(k)
             new_v.append(v)
-    logits = classifier.__wrapped__(c, x, rms_final_weight, wcls)
+    logits = classifier.__wrapped__(c, x, rms_final_weight, wcls, matvec=matvec)
     return logits, tuple(k[:, None, :] for k in new_k), tuple(v[:, None, :] for v in new_v)
 
 

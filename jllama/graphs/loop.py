@@ -111,7 +111,7 @@ def _embedding_row(table, token: jax.Array) -> jax.Array:
 @functools.partial(
     jax.jit,
     static_argnums=0,
-    static_argnames=("n_steps", "kind", "shards"),
+    static_argnames=("n_steps", "kind", "shards", "matvec"),
     donate_argnames=("key_cur", "value_cur"),
 )
 def decode_loop(
@@ -137,6 +137,7 @@ def decode_loop(
     n_steps: int,
     kind: str,
     shards: int = 1,
+    matvec: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array, tuple, tuple]:
     """Feed `token` at `pos`, sample the next token, feed it, ... for up to `n` tokens.
 
@@ -160,6 +161,7 @@ def decode_loop(
       n_steps: static, the capacity of one call (the chunk size).
       kind: static, one of `SAMPLING_KINDS`.
       shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
+      matvec: static; "xla" or "kernel" (`jllama.graphs.ops.matmul`).
 
     Returns:
       (tokens int32[n_steps]: the sampled tokens in their first `count` entries,
@@ -174,11 +176,12 @@ def decode_loop(
         for l, layer in enumerate(layers):
             q, kcs[l], vcs[l] = qkv.__wrapped__(
                 c, x, layer.rms_att_weight, layer.wqkv, kcs[l], vcs[l], p, inv_freq,
-                shards=shards,
+                shards=shards, matvec=matvec,
             )
             att = attend_current(c, q, key_blocks[l], value_blocks[l], cur, kcs[l], vcs[l], p)
             x = block.__wrapped__(
-                c, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
+                c, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3,
+                matvec=matvec,
             )
         return x, tuple(kcs), tuple(vcs)
 
@@ -189,7 +192,7 @@ def decode_loop(
     def body(carry):
         i, tok, p, kcs, vcs, _, out = carry
         x, kcs, vcs = layer_pass(_embedding_row(embedding, tok), p, kcs, vcs)
-        logits = classifier.__wrapped__(c, x, rms_final_weight, wcls)
+        logits = classifier.__wrapped__(c, x, rms_final_weight, wcls, matvec=matvec)
         finite = jnp.all(jnp.isfinite(logits))
         nxt = sample_on_device(logits, kind, temperature, top_p, coins[i])
         # Non-finite logits record nothing and stop: the host reports them.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jllama import kernels
 from jllama.quant import Int8Matrix
 
 # f32 matrix products at full f32 precision: the default lets GPUs use TF32 (10-bit mantissa),
@@ -15,9 +16,12 @@ from jllama.quant import Int8Matrix
 PRECISION = jax.lax.Precision.HIGHEST
 
 
-def matmul(w: jax.Array | Int8Matrix, x: jax.Array) -> jax.Array:
+def matmul(w: jax.Array | Int8Matrix, x: jax.Array, matvec: str = "xla") -> jax.Array:
     """w: f32[out, in], bf16[out, in] or `Int8Matrix` (one row per output), x: f32[in] ->
     f32[out].
+
+    matvec: "kernel" computes it with jllama's CPU kernel (`jllama.kernels.matvec`; the
+    caller has run `jllama.kernels.load()`); "xla" (the default) as below.
 
     bfloat16 weights are widened to float32 element by element (exact) inside one
     multiply-and-sum fusion, so activations and sums stay float32 whatever the weights' storage
@@ -29,6 +33,10 @@ def matmul(w: jax.Array | Int8Matrix, x: jax.Array) -> jax.Array:
     multiplied by the row's scale afterwards: `sum(q * x) * scale`, equal to `(q * scale) @ x`
     up to rounding; the product reads one byte per weight.
     """
+    if matvec == "kernel":
+        return kernels.matvec(w, x)
+    if matvec != "xla":
+        raise ValueError(f"matvec={matvec!r}; known: {', '.join(kernels.MATVEC_MODES)}")
     if isinstance(w, Int8Matrix):
         return jnp.sum(w.q.astype(jnp.float32) * x, axis=-1) * w.scale
     if w.dtype != jnp.float32:

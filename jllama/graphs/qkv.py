@@ -13,7 +13,7 @@ from jllama.graphs.ops import matmul, rmsnorm, rope, split_qkv
 
 
 @functools.partial(
-    jax.jit, static_argnums=0, static_argnames=("shards",),
+    jax.jit, static_argnums=0, static_argnames=("shards", "matvec"),
     donate_argnames=("key_block", "value_block"),
 )
 def qkv(
@@ -27,6 +27,7 @@ def qkv(
     inv_freq: jax.Array,
     *,
     shards: int = 1,
+    matvec: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Normalize the residual stream, project it to queries, keys and values in one product,
     rotate q and k (RoPE, as llama2.c run.c), and store k and v at `pos` in the caches.
@@ -48,6 +49,7 @@ def qkv(
       inv_freq: f32[head_dim // 2], from `jllama.rope.rope_frequencies`.
       shards: static; the number of groups wqkv's rows come in (`jllama.graphs.ops.split_qkv`):
         1 on one device, the device count under tensor parallelism.
+      matvec: static; how the product runs, "xla" or "kernel" (`jllama.graphs.ops.matmul`).
 
     Returns:
       (q: f32[n_heads, head_dim] after RoPE, key_block, value_block updated at
@@ -55,7 +57,7 @@ def qkv(
     """
     c = config
     with jax.named_scope("qkv"):
-        qkv_out = matmul(wqkv, rmsnorm(x, rms_att_weight, c.norm_eps))
+        qkv_out = matmul(wqkv, rmsnorm(x, rms_att_weight, c.norm_eps), matvec)
         q, k, v = split_qkv(c, qkv_out, shards)
     with jax.named_scope("rope"):
         q = rope(q, pos, inv_freq)

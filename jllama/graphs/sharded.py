@@ -72,17 +72,17 @@ def sharded_programs(mesh: Mesh, wait: bool | None = None) -> types.SimpleNamesp
         return _waiting(compiled) if wait else compiled
 
     return types.SimpleNamespace(
-        qkv=jit(graphs.qkv, (heads, heads, heads), ("shards",), donate_block),
+        qkv=jit(graphs.qkv, (heads, heads, heads), ("shards", "matvec"), donate_block),
         attention=jit(graphs.attention, heads),
-        block=jit(graphs.block, rep),
-        classifier=jit(graphs.classifier, rep),
+        block=jit(graphs.block, rep, ("matvec",)),
+        classifier=jit(graphs.classifier, rep, ("matvec",)),
         qkv_chunk=jit(graphs.qkv_chunk, (token_heads, heads, heads), ("shards",), donate_block),
         attention_chunk=jit(graphs.attention_chunk, token_heads),
         block_chunk=jit(graphs.block_chunk, rep),
         classifier_last=jit(graphs.classifier_last, rep),
-        decode_step=jit(graphs.decode_step, (rep, heads, heads), ("shards",)),
+        decode_step=jit(graphs.decode_step, (rep, heads, heads), ("shards", "matvec")),
         write_caches=jit(graphs.write_caches, (heads, heads), (),
                          ("key_blocks", "value_blocks")),
         decode_loop=jit(graphs.decode_loop, (rep, rep, rep, heads, heads),
-                        ("n_steps", "kind", "shards"), ("key_cur", "value_cur")),
+                        ("n_steps", "kind", "shards", "matvec"), ("key_cur", "value_cur")),
     )

@@ -1,0 +1,86 @@
+"""jllama's own CPU matrix-vector products, as XLA FFI custom calls inside the compiled
+programs.
+
+XLA CPU (JAX 0.10) runs a float32 matrix-vector product at 33-45 GB/s of weights on this
+project's 2-core machine and widens int8 and bfloat16 weights at about 1.6 G elements/s per
+core, so narrower weights decode slower than float32. The loops in `matvec.cc` stream float32
+weights at ~55-64 GB/s and int8 at the same bytes per second (bench/NOTES.md). A decode step is
+almost all matrix-vector products, so `matvec="kernel"` (the default on CPU, see
+`jllama.backends.jax_graph`) calls these instead of `jnp.dot`.
+
+  load()          build (once per machine, `jllama.kernels.library`) and register the handlers
+  matvec(w, x)    one product inside a traced program: w f32/bf16[m, n] or `Int8Matrix`
+
+Only for one CPU device: under tensor parallelism XLA's partitioner cannot split a custom
+call, so split programs keep `jnp.dot`; other platforms never lower these targets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jllama.kernels.library import KernelBuildError, build
+from jllama.quant import Int8Matrix
+
+MATVEC_MODES = ("xla", "kernel")
+"""How the decode programs compute a matrix-vector product: "xla": `jnp.dot` (or XLA's
+widening multiply-and-sum for narrow weights); "kernel": jllama's CPU kernels."""
+
+TARGETS = {
+    "float32": "jllama_matvec_f32",
+    "bfloat16": "jllama_matvec_bf16",
+    "int8": "jllama_matvec_int8",
+}
+
+__all__ = ["MATVEC_MODES", "KernelBuildError", "load", "matvec"]
+
+
+@functools.cache
+def load() -> str:
+    """Build the kernels if needed, load them and register their FFI targets with JAX (once
+    per process). Returns the library's path.
+
+    Raises:
+      KernelBuildError: see `jllama.kernels.library.build`, or the library does not load.
+    """
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load jllama's CPU kernels {path}: {e}") from None
+    for target in TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
+                                    platform="cpu")
+    return str(path)
+
+
+def matvec(w, x: jax.Array) -> jax.Array:
+    """`w @ x` by jllama's CPU kernel, for tracing inside a jitted program (call `load()`
+    first, outside the trace).
+
+    Args:
+      w: f32[m, n], bf16[m, n] (widened exactly) or an `Int8Matrix` (q int8[m, n], scale
+        f32[m]: `scale * (q @ x)`), rows as llama2.c's "out x in".
+      x: f32[n].
+
+    Returns:
+      f32[m]. Each row's sum runs in a fixed order (64 interleaved partial sums), so it differs
+      from `jnp.dot`'s by float rounding only.
+
+    Raises:
+      ValueError: another weight dtype, or shapes that do not agree.
+    """
+    out = jax.ShapeDtypeStruct((w.shape[0],), jnp.float32)
+    if w.ndim != 2 or x.shape != (w.shape[1],):
+        raise ValueError(f"matvec needs w[m, n] and x[n], got {w.shape} and {x.shape}")
+    x = x.astype(jnp.float32)
+    if isinstance(w, Int8Matrix):
+        return jax.ffi.ffi_call(TARGETS["int8"], out)(w.q, w.scale, x)
+    name = jnp.dtype(w.dtype).name
+    if name not in TARGETS or name == "int8":
+        raise ValueError(f"matvec has no kernel for {name} weights")
+    return jax.ffi.ffi_call(TARGETS[name], out)(w, x)

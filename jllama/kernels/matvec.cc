@@ -1,0 +1,271 @@
+// jllama's CPU matrix-vector products, called from the compiled JAX programs as XLA FFI custom
+// calls (jllama/kernels/__init__.py builds this file and registers the handlers).
+//
+//   jllama_matvec_f32   y[i] = sum_j w[i, j] * x[j]                w: f32[m, n]
+//   jllama_matvec_bf16  the same with w: bf16[m, n], each weight widened to f32 exactly
+//   jllama_matvec_int8  y[i] = scale[i] * sum_j q[i, j] * x[j]     q: int8[m, n], scale: f32[m]
+//
+// x: f32[n], y: f32[m]; rows are "out x in" as in llama2.c run.c's matmul. Sums are f32 in
+// 64 interleaved partial sums per row (lane j sums the elements j, j + 64, j + 128, ...), then
+// the lanes as a fixed tree (`finish`), then the tail: a fixed order, so a product gives the same bits every call
+// and the same on every thread count. 64 lanes are four AVX-512 registers: four independent
+// multiply-add chains keep the loop from waiting on one chain's latency.
+//
+// Why our own kernel: XLA CPU (JAX 0.10) runs an f32 matrix-vector product at 33-45 GB/s of
+// weights on this machine kind and widens int8/bf16 at ~1.6 G elements/s per core; these loops
+// stream f32 at ~55-64 GB/s and int8 at the same bytes/s (bench/NOTES.md has the measurements).
+//
+// Threads: the rows are cut into chunks that the caller and tasks on XLA's intra-op thread pool
+// claim from a shared counter. The caller works too and waits only for chunks another thread
+// has already claimed, so a product never waits for a task that has not started: two products
+// running side by side on a pool of two threads cannot deadlock.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// Aliases: a comma inside a template argument would split the handler macros' arguments.
+using F32Matrix = ffi::Buffer<ffi::F32, 2>;
+using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
+using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
+using F32Vector = ffi::Buffer<ffi::F32, 1>;
+using F32Result = ffi::ResultBuffer<ffi::F32, 1>;
+
+namespace {
+
+constexpr int kLanes = 64;
+// Below this many weights a product runs on the calling thread alone: scheduling a task costs
+// a few microseconds, more than such a product takes.
+constexpr int64_t kMinParallelWeights = 1 << 16;
+// Chunks per thread: uneven progress between threads then costs at most a fraction of a chunk.
+constexpr int64_t kChunksPerThread = 4;
+
+// The 64 lanes as a tree: lane k with k + 16, k + 32, k + 48 as (a + b) + (c + d), then the
+// 16 partial sums halved (k with k + 8, then + 4, + 2, + 1): six additions deep, where a
+// left-to-right sum would be 64 deep and cost more than a short row's loads.
+inline float finish(const float* acc, float tail) {
+  float s[16];
+  for (int k = 0; k < 16; ++k) s[k] = (acc[k] + acc[k + 16]) + (acc[k + 32] + acc[k + 48]);
+  for (int half = 8; half >= 1; half /= 2)
+    for (int k = 0; k < half; ++k) s[k] += s[k + half];
+  return s[0] + tail;
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+// Four 16-float registers = the 64 lanes; `load16(w + i + 16 * k)` widens 16 weights.
+template <typename Load>
+inline void lanes_avx512(const Load& load16, const float* x, int64_t n, int64_t& i, float* acc) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (; i + kLanes <= n; i += kLanes) {
+    a0 = _mm512_fmadd_ps(load16(i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(load16(i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(load16(i + 32), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(load16(i + 48), _mm512_loadu_ps(x + i + 48), a3);
+  }
+  _mm512_storeu_ps(acc, a0);
+  _mm512_storeu_ps(acc + 16, a1);
+  _mm512_storeu_ps(acc + 32, a2);
+  _mm512_storeu_ps(acc + 48, a3);
+}
+#endif
+
+inline float dot_f32(const float* w, const float* x, int64_t n) {
+  int64_t i = 0;
+  float acc[kLanes] = {0};
+#if defined(__AVX512F__)
+  lanes_avx512([w](int64_t k) { return _mm512_loadu_ps(w + k); }, x, n, i, acc);
+#else
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += w[i + j] * x[i + j];
+#endif
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += w[i] * x[i];
+  return finish(acc, tail);
+}
+
+inline float dot_bf16(const uint16_t* w, const float* x, int64_t n) {
+  int64_t i = 0;
+  float acc[kLanes] = {0};
+#if defined(__AVX512F__)
+  lanes_avx512([w](int64_t k) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }, x, n, i, acc);
+#else
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += bf16_to_f32(w[i + j]) * x[i + j];
+#endif
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += bf16_to_f32(w[i]) * x[i];
+  return finish(acc, tail);
+}
+
+inline float dot_int8(const int8_t* q, const float* x, int64_t n) {
+  int64_t i = 0;
+  float acc[kLanes] = {0};
+#if defined(__AVX512F__)
+  lanes_avx512([q](int64_t k) {
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }, x, n, i, acc);
+#else
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += static_cast<float>(q[i + j]) * x[i + j];
+#endif
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += static_cast<float>(q[i]) * x[i];
+  return finish(acc, tail);
+}
+
+// The rows [begin, end) of one product. A std::function would allocate per call; a plain
+// struct with a function pointer keeps the shared state in one allocation.
+struct Product {
+  void (*rows)(const Product&, int64_t begin, int64_t end);
+  const void* w;
+  const float* scale;
+  const float* x;
+  float* y;
+  int64_t n;
+};
+
+void rows_f32(const Product& p, int64_t begin, int64_t end) {
+  const float* w = static_cast<const float*>(p.w);
+  for (int64_t r = begin; r < end; ++r) p.y[r] = dot_f32(w + r * p.n, p.x, p.n);
+}
+
+void rows_bf16(const Product& p, int64_t begin, int64_t end) {
+  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  for (int64_t r = begin; r < end; ++r) p.y[r] = dot_bf16(w + r * p.n, p.x, p.n);
+}
+
+void rows_int8(const Product& p, int64_t begin, int64_t end) {
+  const int8_t* q = static_cast<const int8_t*>(p.w);
+  for (int64_t r = begin; r < end; ++r) p.y[r] = dot_int8(q + r * p.n, p.x, p.n) * p.scale[r];
+}
+
+// Shared between the caller and the pool tasks; a task may start after the product is done,
+// so the state lives as long as its last holder.
+struct Work {
+  Product product;
+  int64_t m, chunk, chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  // Claims and runs chunks until none is left.
+  void help() {
+    for (;;) {
+      int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      int64_t begin = c * chunk;
+      product.rows(product, begin, std::min(m, begin + chunk));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (threads == 1 || m * product.n < kMinParallelWeights || m < 2) {
+    product.rows(product, 0, m);
+    return;
+  }
+  auto work = std::make_shared<Work>();
+  work->product = product;
+  work->m = m;
+  work->chunks = std::min<int64_t>(m, threads * kChunksPerThread);
+  work->chunk = (m + work->chunks - 1) / work->chunks;
+  work->chunks = (m + work->chunk - 1) / work->chunk;
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { work->help(); });
+  work->help();
+  // Every chunk is claimed by now; wait for the ones other threads are still running.
+  // Spin briefly (the other chunks finish within microseconds), then yield: on fewer cores
+  // than pool threads the thread we wait for may need this core.
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->chunks; ++spins) {
+    if (spins < 4096) {
+#if defined(__x86_64__) || defined(_M_X64)
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+ffi::Error check(int64_t m, int64_t n, const ffi::AnyBuffer::Dimensions& x,
+                 const ffi::AnyBuffer::Dimensions& y) {
+  if (x.size() != 1 || x[0] != n || y.size() != 1 || y[0] != m)
+    return ffi::Error::InvalidArgument("jllama matvec: w[m, n], x[n] and y[m] do not agree");
+  return ffi::Error::Success();
+}
+
+ffi::Error MatvecF32(ffi::ThreadPool pool, F32Matrix w, F32Vector x,
+                     F32Result y) {
+  int64_t m = w.dimensions()[0], n = w.dimensions()[1];
+  if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
+  run(pool, Product{rows_f32, w.typed_data(), nullptr, x.typed_data(), y->typed_data(), n}, m);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatvecBf16(ffi::ThreadPool pool, Bf16Matrix w,
+                      F32Vector x, F32Result y) {
+  int64_t m = w.dimensions()[0], n = w.dimensions()[1];
+  if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
+  run(pool, Product{rows_bf16, w.untyped_data(), nullptr, x.typed_data(), y->typed_data(), n},
+      m);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q,
+                      F32Vector scale, F32Vector x,
+                      F32Result y) {
+  int64_t m = q.dimensions()[0], n = q.dimensions()[1];
+  if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
+  if (scale.dimensions().size() != 1 || scale.dimensions()[0] != m)
+    return ffi::Error::InvalidArgument("jllama matvec_int8: scale must be f32[m]");
+  run(pool, Product{rows_int8, q.typed_data(), scale.typed_data(), x.typed_data(),
+                    y->typed_data(), n}, m);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_f32, MatvecF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Matrix>()
+                                  .Arg<F32Vector>()
+                                  .Ret<F32Vector>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_bf16, MatvecBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Bf16Matrix>()
+                                  .Arg<F32Vector>()
+                                  .Ret<F32Vector>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8, MatvecInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Int8Matrix>()
+                                  .Arg<F32Vector>()
+                                  .Arg<F32Vector>()
+                                  .Ret<F32Vector>());

@@ -1,0 +1,247 @@
+"""jllama's CPU matrix-vector kernels (`jllama.kernels`): products against float64 NumPy and
+hand-worked values, the decode programs with the kernels against the full-sequence reference
+and against XLA's products, the build's errors, and the CLI's --matvec."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import STORIES260K
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_backends import GQA_UNSHARED, full_sequence_logits
+
+from jllama import kernels
+from jllama.backends import make_backend
+from jllama.generate import Generation
+from jllama.kernels import library
+from jllama.quant import Int8Matrix, quantize_int8
+from jllama.sampling import Sampler
+from jllama.weights import random_weights
+
+kernels.load()
+_matvec = jax.jit(kernels.matvec)
+
+
+def _reference(w, x) -> np.ndarray:
+    """float64 `w @ x` of what the kernel reads: f32, widened bf16, or q * scale."""
+    if isinstance(w, Int8Matrix):
+        dense = np.asarray(w.q, np.float64) * np.asarray(w.scale, np.float64)[:, None]
+    else:
+        dense = np.asarray(w, np.float64)
+    return dense @ np.asarray(x, np.float64)
+
+
+def _bound(w, x) -> np.ndarray:
+    """Rounding bound of a float32 sum of n products: n * eps * sum |w_ij x_j| per row."""
+    dense = np.abs(np.asarray(w, np.float64))
+    n = dense.shape[1]
+    return (n + 2) * np.finfo(np.float32).eps * (dense @ np.abs(np.asarray(x, np.float64))) + 1e-30
+
+
+def _as(kind: str, w: np.ndarray):
+    if kind == "float32":
+        return w
+    if kind == "bfloat16":
+        return w.astype(ml_dtypes.bfloat16)
+    return quantize_int8(w)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize(
+    "m,n",
+    # 1 row; shorter than one 64-lane step; a tail after whole steps; the 64-lane steps only;
+    # big enough to be split over threads (>= 65536 weights), with uneven chunks (4099 rows).
+    [(1, 1), (3, 5), (7, 63), (5, 64), (9, 130), (288, 288), (4099, 97), (32000, 288)],
+)
+def test_matvec_equals_float64_numpy_within_rounding(kind, m, n):
+    rng = np.random.default_rng(m * 1000 + n)
+    w = _as(kind, rng.standard_normal((m, n), dtype=np.float32))
+    x = rng.standard_normal(n, dtype=np.float32)
+    got = np.asarray(_matvec(jax.device_put(w), jnp.asarray(x)))
+    assert got.dtype == np.float32 and got.shape == (m,)
+    ref = _reference(w, x)
+    assert np.all(np.abs(got - ref) <= _bound(np.asarray(w, np.float32), x))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 200),
+    kind=st.sampled_from(["float32", "bfloat16", "int8"]),
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e15]),
+)
+def test_matvec_error_bound_property(m, n, kind, seed, scale):
+    rng = np.random.default_rng(seed)
+    w = _as(kind, (rng.standard_normal((m, n)) * scale).astype(np.float32))
+    x = rng.standard_normal(n).astype(np.float32)
+    got = np.asarray(_matvec(jax.device_put(w), jnp.asarray(x)))
+    assert np.all(np.abs(got - _reference(w, x)) <= _bound(np.asarray(w, np.float32), x))
+
+
+def test_matvec_by_hand():
+    w = np.array([[1, 2, 3], [-4, 5, 0.5]], np.float32)
+    x = np.array([1, 10, 100], np.float32)
+    assert np.asarray(_matvec(jnp.asarray(w), jnp.asarray(x))).tolist() == [321.0, 96.0]
+    # int8: rows q = [1, 2, 3] with scale 0.5 and [-127, 0, 127] with scale 2.
+    q = Int8Matrix(q=np.array([[1, 2, 3], [-127, 0, 127]], np.int8),
+                   scale=np.array([0.5, 2.0], np.float32))
+    assert np.asarray(_matvec(jax.device_put(q), jnp.asarray(x))).tolist() == [160.5, 25146.0]
+    # bfloat16 1.0078125 = 1 + 2**-7 is exact in bf16: widened exactly.
+    b = np.array([[1.0078125, -2.0]], ml_dtypes.bfloat16)
+    assert np.asarray(_matvec(jnp.asarray(b), jnp.asarray(x[:2]))).tolist() == [1.0078125 - 20.0]
+
+
+def test_matvec_gives_the_same_bits_every_call():
+    """The rows are split over threads in chunks; each row's sum order is fixed."""
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((6000, 700), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal(700, dtype=np.float32))
+    first = np.asarray(_matvec(w, x))
+    for _ in range(20):
+        assert np.array_equal(np.asarray(_matvec(w, x)), first)
+
+
+def test_matvec_refuses_what_it_has_no_kernel_for():
+    with pytest.raises(ValueError, match="float16"):
+        kernels.matvec(jnp.zeros((2, 3), jnp.float16), jnp.zeros(3))
+    with pytest.raises(ValueError, match="w\\[m, n\\] and x\\[n\\]"):
+        kernels.matvec(jnp.zeros((2, 3)), jnp.zeros(4))
+
+
+def _decode_logits(config, weights, tokens, **options):
+    b = make_backend("jax", **options)
+    b.prepare(config, weights)
+    return b, np.stack([b.forward(t, pos) for pos, t in enumerate(tokens)])
+
+
+@pytest.mark.parametrize("decode", ["graph", "fused"])
+def test_kernel_decode_equals_the_full_sequence_forward(decode):
+    rng = np.random.default_rng(3)
+    weights = random_weights(GQA_UNSHARED, seed=1, scale=0.08)
+    tokens = list(rng.integers(0, 300, 48))
+    b, got = _decode_logits(GQA_UNSHARED, weights, tokens, decode=decode, matvec="kernel")
+    assert b.matvec == "kernel"
+    np.testing.assert_allclose(got, full_sequence_logits(GQA_UNSHARED, weights, tokens),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_kernel_and_xla_agree_on_narrow_weights(dtype):
+    """Both read the same narrow values; only the order of the float32 sums differs."""
+    from jllama.weights import cast_weights
+
+    weights = cast_weights(random_weights(GQA_UNSHARED, seed=2, scale=0.08), dtype)
+    tokens = list(np.random.default_rng(4).integers(0, 300, 32))
+    _, kernel = _decode_logits(GQA_UNSHARED, weights, tokens, matvec="kernel")
+    _, xla = _decode_logits(GQA_UNSHARED, weights, tokens, matvec="xla")
+    np.testing.assert_allclose(kernel, xla, atol=1e-4, rtol=0)
+
+
+def test_kernel_and_xla_generate_the_same_story(stories260k):
+    """All three decode modes, greedy, 200 tokens of stories260K."""
+    stories = {}
+    for matvec in ("kernel", "xla"):
+        for mode in ("graph", "fused", "loop"):
+            b = make_backend("jax", decode=mode, matvec=matvec)
+            b.prepare(*stories260k)
+            sampler = Sampler(0.0)
+            loop = None
+            if mode == "loop":
+                from jllama.device_loop import loop_decoder
+
+                loop = loop_decoder(b, sampler, ())
+            gen = Generation(b.forward, [1], sampler, steps=200, stop_ids=(),
+                             prefill=b.prefill, decode_loop=loop)
+            stories[matvec, mode] = [t.id for t in gen]
+    assert len(set(map(tuple, stories.values()))) == 1
+    assert len(stories["kernel", "loop"]) == 200
+
+
+def test_the_compiled_programs_call_the_kernel_only_when_asked(stories260k):
+    config, weights = stories260k
+    x = jnp.zeros(config.dim)
+    for matvec, expected in (("kernel", True), ("xla", False)):
+        b = make_backend("jax", matvec=matvec)
+        b.prepare(config, weights)
+        layer = b.layers[0]
+        from jllama import graphs
+
+        hlo = graphs.block.lower(
+            config, x, jnp.zeros(config.q_dim), layer.wo, layer.rms_ffn_weight, layer.w1,
+            layer.w2, layer.w3, matvec=b.matvec,
+        ).as_text()
+        assert ("jllama_matvec_f32" in hlo) is expected
+
+
+def test_auto_falls_back_to_xla_when_the_kernels_do_not_build(stories260k, monkeypatch):
+    def fail():
+        raise kernels.KernelBuildError("no C++ compiler (c++) to build jllama's CPU kernels")
+
+    monkeypatch.setattr(kernels, "load", fail)
+    b = make_backend("jax")
+    b.prepare(*stories260k)
+    assert b.matvec == "xla" and "no C++ compiler" in b.matvec_note
+    with pytest.raises(kernels.KernelBuildError, match="^matvec=kernel: no C\\+\\+ compiler"):
+        make_backend("jax", matvec="kernel").prepare(*stories260k)
+
+
+def test_matvec_option_is_checked():
+    with pytest.raises(ValueError, match="matvec='fast'"):
+        make_backend("jax", matvec="fast")
+
+
+def test_build_reuses_the_library_and_names_a_missing_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
+    path = library.build()
+    assert path.parent == tmp_path / "kernels" and path.is_file()
+    stamp = path.stat().st_mtime_ns
+    assert library.build() == path and path.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(library.KernelBuildError, match="no C\\+\\+ compiler .*no-such-compiler"):
+        library.build()
+
+
+def test_a_failing_compiler_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(library.KernelBuildError, match="^building jllama's CPU kernels with "
+                       ".*false failed") as info:
+        library.build()
+    assert "\n" not in str(info.value)
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def _cli(args, env_extra, tmp_path):
+    env = {**os.environ, "JLLAMA_HOME": str(tmp_path), **env_extra}
+    return subprocess.run(
+        [sys.executable, "-m", "jllama", f"--checkpoint={STORIES260K}", "--steps=12",
+         "--seed=1", *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+
+
+def test_cli_matvec_kernel_without_a_compiler_is_one_line(tmp_path):
+    done = _cli(["--matvec=kernel"], {"CXX": "/nonexistent/c++"}, tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("jllama: error: --matvec=kernel: no C++ compiler (/nonexistent/c++)")
+    assert "Traceback" not in done.stderr
+
+
+def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
+    done = _cli([], {"CXX": "/nonexistent/c++"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "jllama: note: using XLA's products (--matvec=xla):" in done.stderr
+    with_kernel = _cli(["--matvec=kernel"], {}, tmp_path)
+    assert with_kernel.returncode == 0 and with_kernel.stdout == done.stdout
