@@ -91,19 +91,26 @@ def test_prefill_compiles_only_the_fixed_chunk_shapes(gqa):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         tokens = [int(t) for t in np.random.default_rng(0).integers(0, 300, config.seq_len)]
-        for n in list(range(1, 80)) + list(range(80, config.seq_len + 1, 13)) + [config.seq_len]:
+        lengths = list(range(1, 80)) + list(range(80, config.seq_len + 1, 13))
+        for n in lengths + [256, 512, config.seq_len]:  # 256, 512: ending on a whole chunk
             b.prefill(tokens[:n], 0)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     windows = sorted({attention_window(config.seq_len, p) for p in range(config.seq_len)})
     assert windows == [256, 512, 768]  # 3 blocks of 256 hold the 600 positions
     for program in ("qkv_chunk", "block_chunk", "classifier_last"):
-        assert compiled.count(f"jit({program})") == len(PREFILL_CHUNKS), compiled
-    # Each chunk size meets each window; the decode attention (the < 8 leftover tokens) too,
-    # for the windows beyond the first (compiled at prepare).
-    assert compiled.count("jit(attention_chunk)") == len(PREFILL_CHUNKS) * len(windows)
+        assert compiled.count(f"jit({program})") == len(PREFILL_CHUNKS), (program, compiled)
+    # Each chunk size meets each window whose last block has room for it (the third block
+    # holds 88 positions: no 256-token chunk there); the decode attention (the < 8 leftover
+    # tokens) meets the windows beyond the first (the first is compiled at prepare).
+    pairs = sum(
+        1 for size in PREFILL_CHUNKS for b in range(len(windows))
+        if min(256, config.seq_len - 256 * b) >= size
+    )
+    assert pairs == len(PREFILL_CHUNKS) * len(windows) - (256 in PREFILL_CHUNKS)
+    assert compiled.count("jit(attention_chunk)") == pairs
     assert compiled.count("jit(attention)") == len(windows) - 1, compiled
-    assert len(compiled) == 3 * len(PREFILL_CHUNKS) + len(PREFILL_CHUNKS) * len(windows) + 2
+    assert len(compiled) == 3 * len(PREFILL_CHUNKS) + pairs + 2
 
 
 def test_prefill_rejects_what_forward_rejects(gqa):

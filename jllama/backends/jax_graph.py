@@ -53,9 +53,12 @@ MATVEC = ("auto", "xla", "kernel")
 "kernel": jllama's CPU kernels (`jllama.kernels`); "xla": `jnp.dot`; "auto": the kernels on one
 CPU device when they build here, else XLA."""
 
-PREFILL_CHUNKS = (64, 8)
+PREFILL_CHUNKS = (256, 64, 8)
 """Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
-chunks of these sizes and the fewer-than-8 tokens left go through the decode programs."""
+chunks of these sizes (none crossing a 256-position cache block) and the fewer-than-8 tokens
+left go through the decode programs. 256-token chunks: SmolLM2's 512-token prefill ran at 957
+tok/s against 730 with chunks of at most 64 (XLA's matrix-matrix products are more efficient
+on more rows; bench/NOTES.md)."""
 
 
 class JaxGraphBackend:
