@@ -32,6 +32,15 @@ def test_parse_tok_s_reads_runc_and_jllama_lines():
     jllama = "achieved tok/s: prefill 98.1 (5 tokens, 0.051 s), decode 48.7 (251 tokens, 5.2 s)"
     assert vs.parse_tok_s(jllama) == pytest.approx(48.7)
     assert vs.parse_tok_s("no rate here") is None
+    # llama-bench's markdown table (copied from a run here): the tg row's mean.
+    table = (
+        "| model                          |       size |     params | backend    | threads |"
+        "            test |                  t/s |\n"
+        "| llama 256M all F32             | 513.13 MiB |   134.52 M | CPU        |       2 |"
+        "            tg32 |         67.06 ± 0.00 |\n"
+    )
+    assert vs.parse_tok_s(table) == pytest.approx(67.06)
+    assert vs.parse_tok_s(table.replace("tg32", "pp512")) is None
 
 
 def test_expand_and_label():

@@ -10,7 +10,10 @@ the shape's vocabulary size, e.g. for llama2.c's run:
 (no shell: environment settings go through `env`).
 
 Its decode rate is read from what it prints (stdout and stderr together): run.c's
-`achieved tok/s: X`, or jllama's `achieved tok/s: prefill ... decode X (...)`.
+`achieved tok/s: X`, jllama's `achieved tok/s: prefill ... decode X (...)`, or the `tgN` row
+of llama.cpp's `llama-bench` table (`| ... | tg256 | 88.80 ± 0.70 |`: the mean), e.g.
+
+    bench/.cache/llama.cpp-build/bin/llama-bench -m /tmp/smollm2-F32.gguf -t 2 -p 0 -n 256 -r 3
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import time
 
 _RUNC = re.compile(r"achieved tok/s:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*$", re.MULTILINE)
 _JLLAMA = re.compile(r"achieved tok/s:.*\bdecode\s+([0-9]+(?:\.[0-9]*)?)")
+_LLAMA_BENCH = re.compile(r"\|\s*tg[0-9]+\s*\|\s*([0-9]+(?:\.[0-9]*)?)\s*±")
 
 
 def parse_tok_s(text: str) -> float | None:
     """The decode tok/s a program printed (the last such line), or None if none is found."""
-    for pattern in (_RUNC, _JLLAMA):
+    for pattern in (_RUNC, _JLLAMA, _LLAMA_BENCH):
         found = pattern.findall(text)
         if found:
             return float(found[-1])
