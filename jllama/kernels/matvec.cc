@@ -7,13 +7,14 @@
 //
 // x: f32[n], y: f32[m]; rows are "out x in" as in llama2.c run.c's matmul. Sums are f32 in
 // 64 interleaved partial sums per row (lane j sums the elements j, j + 64, j + 128, ...), then
-// the lanes as a fixed tree (`finish`), then the tail: a fixed order, so a product gives the same bits every call
-// and the same on every thread count. 64 lanes are four AVX-512 registers: four independent
-// multiply-add chains keep the loop from waiting on one chain's latency.
+// the lanes as a fixed tree (`finish`), then the tail: a fixed order, so a product gives the
+// same bits every call and on every thread count (one thread computes each row). 64 lanes are
+// four AVX-512 registers: four independent multiply-add chains.
 //
-// Why our own kernel: XLA CPU (JAX 0.10) runs an f32 matrix-vector product at 33-45 GB/s of
-// weights on this machine kind and widens int8/bf16 at ~1.6 G elements/s per core; these loops
-// stream f32 at ~55-64 GB/s and int8 at the same bytes/s (bench/NOTES.md has the measurements).
+// Why our own kernel: XLA CPU (JAX 0.10) widens int8/bf16 weights at ~1.6 G elements/s per
+// core inside its products, so narrow weights decoded slower than f32. These loops read int8
+// and bf16 at about the bytes/s of f32, and f32 at least as fast as XLA's dot (memory-bound;
+// bench/NOTES.md has the measurements).
 //
 // Threads: the rows are cut into chunks that the caller and tasks on XLA's intra-op thread pool
 // claim from a shared counter. The caller works too and waits only for chunks another thread
