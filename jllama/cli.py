@@ -501,21 +501,23 @@ def _make_backend(config, weights, n_devices: int, decode: str, speak: bool = Tr
     backend = make_backend(FLAGS.backend, **options)
     if getattr(getattr(backend, "device", None), "platform", "cpu") == "cpu":
         runtime.check_kv_cache_fits(config)
-    if n_devices == 1:
-        try:
-            backend.prepare(config, weights)
-        except BackendError as e:  # e.g. "matvec=kernel: no C++ compiler ..."
-            raise BackendError(_as_flag(str(e)) if str(e).startswith("matvec=") else str(e)) from None
-        if speak and getattr(backend, "matvec_note", ""):
-            print(f"jllama: note: using XLA's products (--matvec=xla): {backend.matvec_note}",
-                  file=sys.stderr)
-        return backend
+    if speak and n_devices == 1 and options.get("matvec", "xla") != "xla":
+        from jllama.kernels.library import compiler, is_built
+
+        if getattr(backend.device, "platform", "") == "cpu" and compiler() and not is_built():
+            print("jllama: building jllama's CPU kernels (once for this machine and compiler, "
+                  "a few seconds)", file=sys.stderr, flush=True)
     from jllama.sharding import ShardingError
 
     try:
         backend.prepare(config, weights)
     except ShardingError as e:  # e.g. fewer devices than --devices asks for
         raise JllamaError(_as_flag(str(e))) from None
+    except BackendError as e:  # e.g. "matvec=kernel: no C++ compiler ..."
+        raise BackendError(_as_flag(str(e)) if str(e).startswith("matvec=") else str(e)) from None
+    if speak and getattr(backend, "matvec_note", ""):
+        print(f"jllama: note: using XLA's products (--matvec=xla): {backend.matvec_note}",
+              file=sys.stderr)
     if speak:
         for note in getattr(backend, "sharding_notes", ()):
             print(f"jllama: note: {note}", file=sys.stderr)

@@ -212,11 +212,41 @@ def test_build_reuses_the_library_and_names_a_missing_compiler(tmp_path, monkeyp
         library.build()
 
 
+def test_cxx_is_split_like_a_shell_line_and_empty_means_unset(monkeypatch):
+    monkeypatch.setenv("CXX", "env c++")
+    assert library.compiler()[1:] == ["c++"] and library.compiler()[0].endswith("/env")
+    monkeypatch.setenv("CXX", "")
+    assert library.compiler()[0].endswith("/c++") and len(library.compiler()) == 1
+
+
+def test_a_library_without_the_handlers_is_refused_and_not_cached(tmp_path, monkeypatch):
+    """`true` "compiles" without writing anything: a 0-byte file, which must not be cached."""
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "true")
+    with pytest.raises(library.KernelBuildError, match="made no usable library: file too short"):
+        library.build()
+    assert list((tmp_path / "kernels").iterdir()) == []
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"")
+    with pytest.raises(library.KernelBuildError, match="broken.so is not a usable kernel library"):
+        library.check_library(broken)
+
+
+def test_stale_temporaries_of_killed_builds_are_removed(tmp_path):
+    old, young = tmp_path / "tmpold.so", tmp_path / "tmpyoung.so"
+    old.write_bytes(b"x")
+    young.write_bytes(b"x")
+    past = old.stat().st_mtime - 3 * library.BUILD_TIMEOUT_S
+    os.utime(old, (past, past))
+    library._remove_stale_temporaries(tmp_path)
+    assert not old.exists() and young.exists()  # a build running now keeps its file
+
+
 def test_a_failing_compiler_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
     monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(library.KernelBuildError, match="^building jllama's CPU kernels with "
-                       ".*false failed") as info:
+                       ".*false failed: exit status 1, no message$") as info:
         library.build()
     assert "\n" not in str(info.value)
     assert list((tmp_path / "kernels").iterdir()) == []
@@ -235,8 +265,18 @@ def test_cli_matvec_kernel_without_a_compiler_is_one_line(tmp_path):
     done = _cli(["--matvec=kernel"], {"CXX": "/nonexistent/c++"}, tmp_path)
     assert done.returncode == 1 and done.stdout == ""
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("jllama: error: --matvec=kernel: no C++ compiler (/nonexistent/c++)")
+    assert last.startswith("jllama: error: --matvec=kernel: no C++ compiler "
+                           "(CXX=/nonexistent/c++ is not a program here)")
     assert "Traceback" not in done.stderr
+
+
+def test_cli_matvec_kernel_on_split_devices_is_one_line_naming_the_flag(tmp_path):
+    done = _cli(["--matvec=kernel", "--devices=2"],
+                {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "jllama: error: --matvec=kernel runs on one CPU device only, not split over devices"
+    )
 
 
 def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
@@ -245,3 +285,6 @@ def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
     assert "jllama: note: using XLA's products (--matvec=xla):" in done.stderr
     with_kernel = _cli(["--matvec=kernel"], {}, tmp_path)
     assert with_kernel.returncode == 0 and with_kernel.stdout == done.stdout
+    assert "jllama: building jllama's CPU kernels (once" in with_kernel.stderr  # an empty cache
+    again = _cli(["--matvec=kernel"], {}, tmp_path)
+    assert "building" not in again.stderr and again.stdout == done.stdout

@@ -281,6 +281,18 @@ class _SlowBackend:
         return self._backend.forward(token, pos)
 
 
+def test_streams_read_to_the_end_count_as_completed_not_cancelled(server, client):
+    """Each stream closes right after its last event; that close is not a cancellation."""
+    before = httpx.get(server.url + "/health", timeout=TIMEOUT).json()
+    for _ in range(8):
+        _, finish, _ = stream_text(client, model=MODEL, prompt=PROMPT, max_tokens=4,
+                                   temperature=0)
+        assert finish == "length"
+    after = httpx.get(server.url + "/health", timeout=TIMEOUT).json()
+    assert after["requests_completed"] - before["requests_completed"] == 8, (before, after)
+    assert after["requests_cancelled"] == before["requests_cancelled"], (before, after)
+
+
 def test_a_client_that_disconnects_frees_the_worker(model):
     backend = make_backend("jax")
     backend.prepare(model.config, model.weights)

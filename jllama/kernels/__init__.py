@@ -23,18 +23,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jllama.kernels.library import KernelBuildError, build
+from jllama.kernels.library import SYMBOLS, KernelBuildError, build, check_library
 from jllama.quant import Int8Matrix
 
 MATVEC_MODES = ("xla", "kernel")
 """How the decode programs compute a matrix-vector product: "xla": `jnp.dot` (or XLA's
 widening multiply-and-sum for narrow weights); "kernel": jllama's CPU kernels."""
 
-TARGETS = {
-    "float32": "jllama_matvec_f32",
-    "bfloat16": "jllama_matvec_bf16",
-    "int8": "jllama_matvec_int8",
-}
+TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS, strict=True))
+"""The FFI handler for each weight dtype."""
 
 __all__ = ["MATVEC_MODES", "KernelBuildError", "load", "matvec"]
 
@@ -45,13 +42,15 @@ def load() -> str:
     per process). Returns the library's path.
 
     Raises:
-      KernelBuildError: see `jllama.kernels.library.build`, or the library does not load.
+      KernelBuildError: see `jllama.kernels.library.build`, or the cached library does not
+        load.
     """
     path = build()
     try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise KernelBuildError(f"cannot load jllama's CPU kernels {path}: {e}") from None
+        check_library(path)
+    except KernelBuildError as e:  # a cached file damaged since it was built
+        raise KernelBuildError(f"{e}; delete it to rebuild, or pass --matvec=xla") from None
+    lib = ctypes.CDLL(str(path))
     for target in TARGETS.values():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
                                     platform="cpu")

@@ -1,4 +1,4 @@
-"""Compile `matvec.cc` into a shared library once per machine, and reuse it.
+"""Compile `matvec.cc` into a shared library once per machine and compiler, and reuse it.
 
 The library is built on first use with the system's C++ compiler (`$CXX`, else `c++`) against
 the XLA FFI headers of the installed jaxlib (`jax.ffi.include_dir()`), so its calling
@@ -8,18 +8,25 @@ convention always matches the jaxlib that loads it. On x86-64 it is built with
 It is kept in `$JLLAMA_HOME/kernels/` (default `~/.cache/jllama/kernels/`) under a name that
 hashes everything the binary depends on: the source, the flags, the compiler, the jaxlib
 version and the CPU's feature flags; a change of any of them builds a new file. A build writes
-a temporary file and renames it into place, so processes building at the same time never see a
-half-written library. A build takes about 2 s (g++ 12).
+a temporary file and renames it into place only once it loads with every handler, so
+processes building at the same time never see a half-written library and a broken build is
+never cached. The compiler runs in its own process group, killed whole on a timeout or an
+interrupt. A build takes about 3 s (g++ 12).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from jllama.errors import BackendError
@@ -31,12 +38,19 @@ BUILD_TIMEOUT_S = 120
 
 
 class KernelBuildError(BackendError):
-    """The kernels cannot be built here: no C++ compiler, or it failed (one line)."""
+    """The kernels cannot be built or loaded here (one line)."""
 
 
-def compiler() -> str | None:
-    """The C++ compiler to use (`$CXX`, else `c++`) as a path, or None if there is none."""
-    return shutil.which(os.environ.get("CXX", "c++"))
+SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8")
+"""The FFI handlers `matvec.cc` exports; a library lacking one is not used or cached."""
+
+
+def compiler() -> list[str] | None:
+    """The C++ compiler command (`$CXX` split as a shell would, e.g. "ccache g++"; `c++` when
+    unset or empty) with its program resolved to a path, or None if there is no such program."""
+    words = shlex.split(os.environ.get("CXX") or "c++")
+    path = shutil.which(words[0]) if words else None
+    return [path, *words[1:]] if path else None
 
 
 def flags() -> list[str]:
@@ -59,30 +73,106 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def library_path(cxx: str) -> Path:
+def library_path(cxx: list[str]) -> Path:
     """Where the library for this source, compiler, jaxlib and CPU lives (built or not)."""
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags()).encode(), cxx.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(flags()).encode(), " ".join(cxx).encode(),
                  jaxlib.__version__.encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
     return jllama_home() / "kernels" / f"matvec-{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """The built library's path, compiling it first if this machine has none yet.
+def is_built() -> bool:
+    """Whether `build` would find a library already (and not compile)."""
+    cxx = compiler()
+    return cxx is not None and library_path(cxx).exists()
+
+
+def check_library(path: str | os.PathLike) -> None:
+    """Load the library at `path` (into this process) and look up every handler.
 
     Raises:
-      KernelBuildError: no C++ compiler, the cache folder cannot be written, or the compile
-        failed or timed out (the compiler's first error line is quoted).
+      KernelBuildError: it does not load, or lacks a handler.
+    """
+    try:
+        lib = ctypes.CDLL(os.fspath(path))
+        for name in SYMBOLS:
+            getattr(lib, name)
+    except (OSError, AttributeError) as e:
+        # ctypes' messages start with the path; keep the reason only.
+        reason = str(e).replace(f"{os.fspath(path)}: ", "")
+        raise KernelBuildError(f"{path} is not a usable kernel library: {reason}") from None
+
+
+def _remove_stale_temporaries(folder: Path) -> None:
+    """Temporary files of builds that were killed (their compiler went on writing)."""
+    now = time.time()
+    for stale in folder.glob("tmp*.so"):
+        try:
+            if now - stale.stat().st_mtime > 2 * BUILD_TIMEOUT_S:
+                stale.unlink()
+        except OSError:
+            pass
+
+
+def _compile(cmd: list[str], output: str) -> tuple[int, str]:
+    """Run the compiler in its own process group; (exit status, stderr). On a timeout, an
+    exception or SIGINT the whole group (driver, cc1plus, as, ld) is killed first, so nothing
+    writes the output file after we give up on it. (jllama's own SIGINT handler exits at once,
+    so the group is killed, and `output` removed, from a handler put in front of it while the
+    compiler runs.)"""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+    def kill_group():
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+
+    def on_interrupt(signum, frame):
+        kill_group()
+        proc.wait()
+        if os.path.exists(output):
+            os.unlink(output)
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt
+
+    if main:
+        signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+    except BaseException:
+        kill_group()
+        proc.wait()
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    return proc.returncode, err
+
+
+def build() -> Path:
+    """The built library's path, compiling it first if this machine has none yet. A library is
+    cached only once it loads and has every handler.
+
+    Raises:
+      KernelBuildError: no C++ compiler, the cache folder cannot be written, the compile
+        failed or timed out (the compiler's first error line is quoted), or what it built
+        is not a usable library.
     """
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError(
-            f"no C++ compiler ({os.environ.get('CXX', 'c++')}) to build jllama's CPU kernels; "
-            "install one (e.g. g++) or pass --matvec=xla"
+            f"no C++ compiler (CXX={os.environ.get('CXX') or 'c++'} is not a program here) to "
+            "build jllama's CPU kernels; install one (e.g. g++) or pass --matvec=xla"
         )
     target = library_path(cxx)
     if target.exists():
@@ -91,24 +181,34 @@ def build() -> Path:
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(target.parent)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
     except OSError as e:
         raise KernelBuildError(
             f"cannot write jllama's CPU kernels into {target.parent}: {e.strerror or e}"
         ) from None
-    cmd = [cxx, *flags(), "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    cmd = [*cxx, *flags(), "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    named = " ".join(cxx)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or [""]
+        status, err = _compile(cmd, tmp)
+        if status != 0:
+            lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+            why = next((ln for ln in lines if "error" in ln), lines[0] if lines else None)
             raise KernelBuildError(
-                f"building jllama's CPU kernels with {cxx} failed: {lines[0].strip()}"
+                f"building jllama's CPU kernels with {named} failed: "
+                f"{why or f'exit status {status}, no message'}"
             )
+        try:
+            check_library(tmp)
+        except KernelBuildError as e:
+            raise KernelBuildError(f"building jllama's CPU kernels with {named} made no "
+                                   f"usable library: {str(e).split(': ', 1)[-1]}") from None
+        os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     except subprocess.TimeoutExpired:
         raise KernelBuildError(
-            f"building jllama's CPU kernels with {cxx} took over {BUILD_TIMEOUT_S} s"
+            f"building jllama's CPU kernels with {named} took over {BUILD_TIMEOUT_S} s"
         ) from None
     finally:
         if os.path.exists(tmp):

@@ -96,12 +96,18 @@ class Job:
     events: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
-        """Stop (or never start) this job; its events are no longer read."""
-        self.cancelled.set()
+        """Stop (or never start) this job; its events are no longer read. A no-op once the
+        job has emitted `Done` or `Failed`: a stream that closes after its last event does
+        not count as cancelled (/health)."""
+        if not self.finished.is_set():
+            self.cancelled.set()
 
     def _emit(self, event) -> None:
+        if isinstance(event, (Done, Failed)):
+            self.finished.set()  # before the reader can see the event and cancel
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: the server is shutting down
