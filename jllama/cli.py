@@ -371,6 +371,11 @@ def main(argv: list[str]) -> int:
             f"--steps={steps}; nothing will be generated",
             file=sys.stderr,
         )
+    if hasattr(backend, "compile_for"):
+        # The prompt's chunk programs and the windows the decode grows into, compiled now
+        # rather than inside the timed prefill and in the middle of decoding.
+        backend.compile_for(len(prompt_ids), steps - 1, getattr(decode_loop, "kind", None),
+                            chunked=_prefill_of(backend) is not None)
     generation = Generation(
         backend.forward, prompt_ids, sampler, steps, stop_ids=tuple(tokenizer.stop_ids),
         prefill=_prefill_of(backend), decode_loop=decode_loop,

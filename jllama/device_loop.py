@@ -75,6 +75,7 @@ def loop_decoder(
             sampler.rng = rng
         return ids, finite
 
+    decode_loop.kind = kind  # for `JaxGraphBackend.compile_for`
     return decode_loop
 
 

@@ -153,3 +153,44 @@ def test_unknown_decode_mode_is_refused():
         make_backend("jax", decode="scan")
     with pytest.raises(ValueError, match="no options"):
         make_backend("numpy", decode="fused")
+
+
+@pytest.mark.parametrize("decode", ["graph", "loop"])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_compile_for_leaves_nothing_to_compile_and_changes_no_token(gqa, decode, chunked):
+    """After `compile_for` a generation that crosses two cache blocks compiles nothing, and
+    its tokens are those of a backend that compiled as it went."""
+    from jllama.device_loop import loop_decoder
+
+    config, weights = gqa
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, 300)]
+    steps = 560  # positions up to 559: windows of 512 and 768
+
+    def generate(warm: bool):
+        jax.clear_caches()  # each run compiles from nothing
+        b = make_backend("jax", decode=decode)
+        b.prepare(config, weights)
+        sampler = Sampler(0.0)
+        loop = loop_decoder(b, sampler, ()) if decode == "loop" else None
+        if warm:
+            b.compile_for(len(prompt), steps - 1, getattr(loop, "kind", None), chunked=chunked)
+        compiled = []
+
+        def listener(event, duration, **kwargs):
+            if event == "/jax/core/compile/backend_compile_duration":
+                compiled.append(kwargs.get("fun_name"))
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            gen = Generation(b.forward, prompt, sampler, steps=steps, stop_ids=(),
+                             prefill=b.prefill if chunked else None, decode_loop=loop)
+            ids = [t.id for t in gen]
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        return ids, compiled
+
+    cold_ids, cold_compiled = generate(warm=False)
+    warm_ids, warm_compiled = generate(warm=True)
+    assert cold_compiled, "the cold run should compile the windows it grows into"
+    assert warm_compiled == []
+    assert warm_ids == cold_ids and len(warm_ids) == steps

@@ -252,24 +252,29 @@ class JaxGraphBackend:
         for t in tokens:
             check_token_pos(config, t, start_pos)
         logits, x = None, None
-        pos, end = start_pos, start_pos + len(tokens)
-        while pos < end:
-            # A chunk never crosses a cache block boundary (it writes into one block).
-            room = min(end - pos, self.block_length - pos % self.block_length)
-            size = next((n for n in PREFILL_CHUNKS if n <= room), 0)
+        for pos, size in self._prefill_plan(start_pos, len(tokens)):
             if size:
                 x = self._prefill_chunk(tokens[pos - start_pos:pos - start_pos + size], pos)
                 logits = None
-                pos += size
             else:
                 logits = self.forward(tokens[pos - start_pos], pos)
                 x = None
-                pos += 1
         if logits is None:
             logits = np.asarray(
                 self._programs.classifier_last(config, x, self.rms_final_weight, self.wcls)
             )
         return logits
+
+    def _prefill_plan(self, start_pos: int, n: int):
+        """(pos, size) of each step of a prefill of n tokens from start_pos: a chunk of
+        `size` tokens, or one token through `forward` when size is 0. A chunk never crosses a
+        cache block boundary (it writes into one block)."""
+        pos, end = start_pos, start_pos + n
+        while pos < end:
+            room = min(end - pos, self.block_length - pos % self.block_length)
+            size = next((s for s in PREFILL_CHUNKS if s <= room), 0)
+            yield pos, size
+            pos += size or 1
 
     def _prefill_chunk(self, chunk: list[int], pos: int) -> jax.Array:
         config = self.config
@@ -384,6 +389,45 @@ class JaxGraphBackend:
         added to `compile_seconds`). Longer windows compile when the context reaches them."""
         start = time.perf_counter()
         self.decode_loop(0, 0, 1, kind=kind, coins=[0.0])
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        return seconds
+
+    def compile_for(
+        self, prompt_len: int, last: int, kind: str | None = None, chunked: bool = True
+    ) -> float:
+        """Compile, before a generation, the programs it will need beyond what `prepare`
+        compiled: the prefill chunk programs of a prompt of `prompt_len` tokens (one chunk of
+        each size and window it will use; with chunked=False the prompt goes through `forward`
+        instead) and the decode programs of every attention window that the positions up to
+        `last` grow into (`forward`; with `kind`, one of `graphs.SAMPLING_KINDS`, `decode_loop`
+        for the positions after the prompt). Without it these compile inside the first
+        prefill and in the middle of decoding (about 1.5 s for SmolLM2's loop program at each
+        new window), and the rates printed count the compiles.
+
+        Runs each program once on token 0 at a position it will serve. Call it before a
+        sequence starts: every position it writes is written again before anything reads it.
+        Returns the seconds it took (also added to `compile_seconds`)."""
+        config = self.config
+        if config is None:
+            raise RuntimeError("JaxGraphBackend.compile_for called before prepare")
+        start = time.perf_counter()
+        seen = set()
+        for pos, size in self._prefill_plan(0, min(prompt_len, config.seq_len) * chunked):
+            key = (size, graphs.attention_blocks(config.seq_len, pos + max(size, 1) - 1))
+            if size and key not in seen:
+                seen.add(key)
+                self._prefill_chunk([0] * size, pos)
+        compiled = {graphs.attention_blocks(config.seq_len, 0)}  # by prepare (and compile_loop)
+        forwards, loops = set(compiled), set(compiled)
+        for pos in range(0 if not chunked else prompt_len, min(last, config.seq_len - 1) + 1):
+            k = graphs.attention_blocks(config.seq_len, pos)
+            if k not in forwards:
+                forwards.add(k)
+                self.forward(0, pos)
+            if kind is not None and pos >= prompt_len and k not in loops:
+                loops.add(k)
+                self.decode_loop(0, pos, 1, kind=kind, coins=[0.0])
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         return seconds
