@@ -288,3 +288,32 @@ def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
     assert "jllama: building jllama's CPU kernels (once" in with_kernel.stderr  # an empty cache
     again = _cli(["--matvec=kernel"], {}, tmp_path)
     assert "building" not in again.stderr and again.stdout == done.stdout
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatch):
+    """Machines without AVX-512 (the issue's AVX2 machine kind) compile the other branches of
+    matvec.cc: built here with -march=x86-64-v3 (AVX2 + FMA) and plain x86-64, registered
+    under their own names, and checked like the native build."""
+    import ctypes
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 -march levels")
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
+    lib = ctypes.CDLL(str(library.build(march=march)))
+    names = {}
+    for dtype, symbol in kernels.TARGETS.items():
+        names[dtype] = f"{symbol}_{march.replace('-', '_')}"
+        jax.ffi.register_ffi_target(names[dtype], jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+    rng = np.random.default_rng(11)
+    for m, n in [(3, 5), (9, 130), (4099, 97), (700, 576)]:
+        w = rng.standard_normal((m, n), dtype=np.float32)
+        x = rng.standard_normal(n, dtype=np.float32)
+        out = jax.ShapeDtypeStruct((m,), jnp.float32)
+        for dtype in ("float32", "bfloat16", "int8"):
+            wk = _as(dtype, w)
+            args = (wk.q, wk.scale, x) if dtype == "int8" else (wk, x)
+            got = np.asarray(jax.ffi.ffi_call(names[dtype], out)(*map(jnp.asarray, args)))
+            assert np.all(np.abs(got - _reference(wk, x)) <= _bound(np.asarray(wk, np.float32), x))

@@ -53,11 +53,15 @@ def compiler() -> list[str] | None:
     return [path, *words[1:]] if path else None
 
 
-def flags() -> list[str]:
-    """Compiler flags. No -ffast-math: linking with it sets flush-to-zero for the whole
-    process; the 64 partial sums per row vectorize without reassociation."""
+def flags(march: str | None = None) -> list[str]:
+    """Compiler flags: `-march=native` on x86-64, or `-march=MARCH` when given (the tests
+    build the AVX2-only and the generic paths with it). No -ffast-math: linking with it sets
+    flush-to-zero for the whole process; the 64 partial sums per row vectorize without
+    reassociation."""
     out = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    if march is not None:
+        out.append(f"-march={march}")
+    elif platform.machine().lower() in ("x86_64", "amd64"):
         out.append("-march=native")
     return out
 
@@ -73,12 +77,13 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def library_path(cxx: list[str]) -> Path:
-    """Where the library for this source, compiler, jaxlib and CPU lives (built or not)."""
+def library_path(cxx: list[str], march: str | None = None) -> Path:
+    """Where the library for this source, compiler, flags, jaxlib and CPU lives (built or
+    not)."""
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags()).encode(), " ".join(cxx).encode(),
+    for part in (SOURCE.read_bytes(), " ".join(flags(march)).encode(), " ".join(cxx).encode(),
                  jaxlib.__version__.encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
@@ -159,9 +164,9 @@ def _compile(cmd: list[str], output: str) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def build() -> Path:
+def build(march: str | None = None) -> Path:
     """The built library's path, compiling it first if this machine has none yet. A library is
-    cached only once it loads and has every handler.
+    cached only once it loads and has every handler. march: see `flags`.
 
     Raises:
       KernelBuildError: no C++ compiler, the cache folder cannot be written, the compile
@@ -174,7 +179,7 @@ def build() -> Path:
             f"no C++ compiler (CXX={os.environ.get('CXX') or 'c++'} is not a program here) to "
             "build jllama's CPU kernels; install one (e.g. g++) or pass --matvec=xla"
         )
-    target = library_path(cxx)
+    target = library_path(cxx, march)
     if target.exists():
         return target
     import jax
@@ -188,7 +193,7 @@ def build() -> Path:
         raise KernelBuildError(
             f"cannot write jllama's CPU kernels into {target.parent}: {e.strerror or e}"
         ) from None
-    cmd = [*cxx, *flags(), "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    cmd = [*cxx, *flags(march), "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
     named = " ".join(cxx)
     try:
         status, err = _compile(cmd, tmp)
