@@ -120,7 +120,8 @@ def open_model(
       seq_len: cap on the context (tokens) the KV cache is sized for; None = the model's.
       need_tokenizer: False leaves the tokenizer unread (tokenizer None), e.g. to inspect or
         convert the weights alone.
-      dtype: "float32", "bfloat16" or "int8" (per-row scales, `jllama.quant`) to hold the
+      dtype: "float32", "bfloat16" or "int8" (per-row scales, `jllama.quant`; a GGUF's
+        Q8_0 and Q4_0 matrices keep their own scale per 32 weights, exactly) to hold the
         weight matrices in (RMSNorm gains stay float32); None keeps what the reader gives: float32 for llama2.c and GGUF files (GGUF
         quantized tensors are dequantized), the stored type for Hugging Face folders (a
         bfloat16 model stays bfloat16).
@@ -191,7 +192,7 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
     if is_gguf(path) or (path.suffix.lower() == ".gguf" and path.is_file()):
         _refuse_tokenizer(tokenizer, path, "GGUF file")
         try:
-            g = read_gguf(path, seq_len=seq_len)
+            g = read_gguf(path, seq_len=seq_len, int8=dtype == "int8")
         except CheckpointError as e:
             name = os.fspath(checkpoint)
             if name in KNOWN_MODELS and path == cached_path(name):

@@ -13,6 +13,11 @@ program reads one int8 per weight and nothing else. With group scales XLA CPU ra
 at 5.2 GB/s of int8 against 11-14 GB/s per row (JAX 0.10, 2-core Zen 5 EPYC, 12 matrices of
 2048x768; bench/NOTES.md), slower than float32 itself.
 
+GGUF's Q8_0 and Q4_0 tensors (llama.cpp) are int8 (Q4_0: 4-bit, minus 8) with one float16
+scale per 32 weights of a row; read with `--dtype=int8` they are held exactly as an
+`Int8Matrix` with group scales, `scale: f32[..., out, in // 32]` (`grouped`), rather than
+dequantized and quantized again per row.
+
 `Int8Matrix` is a frozen dataclass registered as a JAX pytree, so it travels through
 `jax.device_put` and `jax.jit` like the arrays it replaces; it has `shape`, `dtype`
 (int8), `nbytes` and `ndim`, indexes along its leading (layer) axis, and `np.asarray` of it
@@ -37,7 +42,8 @@ class Int8Matrix:
     Attributes:
       q: int8[..., out, in], values in [-127, 127].
       scale: f32[..., out], the float32 step of each row: `w[..., i, j] ~= q[..., i, j] *
-        scale[..., i]`.
+        scale[..., i]`; or f32[..., out, in // g] (`grouped`), one step per g consecutive
+        weights of a row: `w[..., i, j] = q[..., i, j] * scale[..., i, j // g]`.
     """
 
     q: np.ndarray
@@ -47,6 +53,17 @@ class Int8Matrix:
     def shape(self) -> tuple[int, ...]:
         """The shape of the matrix it stands for (`q.shape`)."""
         return tuple(self.q.shape)
+
+    @property
+    def grouped(self) -> bool:
+        """True when `scale` has one step per group of `group_size` weights of a row."""
+        return len(self.scale.shape) == len(self.q.shape)
+
+    @property
+    def group_size(self) -> int:
+        """Weights per scale along a row (the row length when not `grouped`)."""
+        n = self.q.shape[-1]
+        return n // self.scale.shape[-1] if self.grouped else n
 
     @property
     def ndim(self) -> int:
@@ -98,18 +115,49 @@ def quantize_int8(w: np.ndarray) -> Int8Matrix:
 
 
 def dequantize(m: Int8Matrix) -> np.ndarray:
-    """`q * scale[..., None]` as f32[..., out, in] (each product exact in float32 up to one
-    rounding)."""
-    return np.asarray(m.q, dtype=np.float32) * np.asarray(m.scale, dtype=np.float32)[..., None]
+    """`q * scale[..., None]` (per row) or `q * scale` repeated over each group, as
+    f32[..., out, in] (each product exact in float32 up to one rounding)."""
+    q = np.asarray(m.q, dtype=np.float32)
+    scale = np.asarray(m.scale, dtype=np.float32)
+    if not m.grouped:
+        return q * scale[..., None]
+    groups = q.reshape(*q.shape[:-1], scale.shape[-1], m.group_size)
+    return (groups * scale[..., None]).reshape(q.shape)
+
+
+def group_scales(m: Int8Matrix, group_size: int) -> Int8Matrix:
+    """The same matrix with one scale per `group_size` weights (exact: a row's scale repeated
+    over its groups); a grouped matrix with that group size is returned as it is.
+
+    Raises:
+      ValueError: the row length is not a multiple of group_size, or m has other groups.
+    """
+    if m.grouped:
+        if m.group_size != group_size:
+            raise ValueError(f"groups of {m.group_size}, not {group_size}")
+        return m
+    n = m.q.shape[-1]
+    if n % group_size:
+        raise ValueError(f"rows of {n} do not split into groups of {group_size}")
+    scale = np.repeat(np.asarray(m.scale)[..., None], n // group_size, axis=-1)
+    return Int8Matrix(q=m.q, scale=scale)
 
 
 def concatenate_rows(matrices: list[Int8Matrix]) -> Int8Matrix:
     """Stack int8 matrices with the same `in` along their rows, scales with them (what
     stacking wq/wk/wv into wqkv does for float matrices). Per-row scales make this exact: the
-    result holds the same values as quantizing the stacked float matrix."""
+    result holds the same values as quantizing the stacked float matrix. If any is grouped,
+    the others' row scales are spread over the same groups first (`group_scales`, exact)."""
+    sizes = {m.group_size for m in matrices if m.grouped}
+    if len(sizes) > 1:
+        raise ValueError(f"int8 matrices with different groups: {sorted(sizes)}")
+    if sizes:
+        size = sizes.pop()
+        matrices = [group_scales(m, size) for m in matrices]
+    axis = -2 if matrices[0].grouped else -1
     return Int8Matrix(
         q=np.concatenate([np.asarray(m.q) for m in matrices], axis=-2),
-        scale=np.concatenate([np.asarray(m.scale) for m in matrices], axis=-1),
+        scale=np.concatenate([np.asarray(m.scale) for m in matrices], axis=axis),
     )
 
 

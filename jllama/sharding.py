@@ -120,8 +120,10 @@ def qkv_row_order(config: ModelConfig, n_devices: int) -> np.ndarray:
 
 def _spec_of(array, spec: PartitionSpec):
     """The PartitionSpec pytree for `array` split as `spec` (an Int8Matrix's per-row scales
-    follow its rows)."""
+    follow its rows; group scales, one axis per axis of q, follow its rows and columns)."""
     if isinstance(array, Int8Matrix):
+        if array.grouped:
+            return Int8Matrix(q=spec, scale=spec)
         return Int8Matrix(q=spec, scale=PartitionSpec(spec[0]) if len(spec) else spec)
     return spec
 
@@ -251,7 +253,10 @@ def device_memory(config: ModelConfig, weights: TransformerWeights, n_devices: i
     split = sum(getattr(weights, f).nbytes // n for f in ("wq", "wk", "wv", "w1", "w3"))
     for f in ("wo", "w2"):  # split by columns: an int8 matrix's per-row scales stay whole
         m = getattr(weights, f)
-        split += m.q.nbytes // n + m.scale.nbytes if isinstance(m, Int8Matrix) else m.nbytes // n
+        if isinstance(m, Int8Matrix) and not m.grouped:
+            split += m.q.nbytes // n + m.scale.nbytes
+        else:
+            split += m.nbytes // n
     gains = sum(getattr(weights, f).nbytes
                 for f in ("rms_att_weight", "rms_ffn_weight", "rms_final_weight"))
     wcls = weights.wcls.nbytes

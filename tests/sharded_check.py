@@ -37,6 +37,32 @@ TINYLLAMA_2L = ModelConfig(
     dim=2048, hidden_dim=5632, n_layers=2, n_heads=32, n_kv_heads=4, vocab_size=32000,
     seq_len=64, shared_weights=False,
 )
+# A shape whose split columns (wo: 64 of 128, w2: 128 of 256) hold whole groups of 32, for
+# int8 with group scales (GGUF's Q8_0).
+GROUPED = ModelConfig(
+    dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=64,
+    shared_weights=False,
+)
+
+
+def q8_0_weights(config, seed):
+    """Random weights with every matrix stored as GGUF Q8_0 would hold it, as a grouped
+    `Int8Matrix` (what `--dtype=int8` reads from such a file)."""
+    import gguf
+
+    from jllama.formats import ggml_quants
+    from jllama.quant import Int8Matrix
+
+    weights = random_weights(config, seed=seed, scale=0.1)
+    changes = {}
+    for name in ("token_embedding_table", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wcls"):
+        w = np.ascontiguousarray(getattr(weights, name), np.float32)
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+        q, scale = ggml_quants.int8_groups(raw, ggml_quants.Q8_0, w.shape)
+        changes[name] = Int8Matrix(q=q, scale=scale)
+    return dataclasses.replace(weights, **changes)
+
+
 COLLECTIVE = re.compile(
     r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
 )
@@ -223,6 +249,9 @@ def main(argv):
     report["stories260K_int8"] = check_model(
         "stories260K_int8", config, cast_weights(weights, "int8"), (2,), prompt, 24,
         ("graph",), False)
+    report["grouped_q8_0"] = check_model(
+        "grouped_q8_0", GROUPED, q8_0_weights(GROUPED, seed=6), (2,), [1, 20, 300, 7, 40], 20,
+        ("graph", "fused", "loop"), True)
     big = random_weights(TINYLLAMA_2L, seed=3)
     report["tinyllama_2l"] = check_model(
         "tinyllama_2l", TINYLLAMA_2L, big, (2, 4), [1, 2000, 31, 7, 4000, 12, 9, 100, 300], 24,

@@ -76,6 +76,44 @@ def test_quantized_tensors_equal_the_gguf_packages_dequantize(tmp_path, tiny_wei
         assert np.array_equal(got, want), name
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+def test_dtype_int8_keeps_q8_0_and_q4_0_exactly_with_group_scales(tmp_path, tiny_weights, qtype):
+    """--dtype=int8 holds a Q8_0/Q4_0 matrix as int8 with one scale per 32 weights: the
+    values are the gguf package's dequantized ones exactly, and the logits (kernel and XLA
+    products, graph and loop decode) equal the NumPy reference on the dequantized model."""
+    from jllama.quant import Int8Matrix, dequantize
+
+    path = write_gguf(tmp_path / "m.gguf", TINY, tiny_weights, types={"*": qtype})
+    wide = open_model(path, need_tokenizer=False)
+    narrow = open_model(path, need_tokenizer=False, dtype="int8")
+    for name, original in _fields(tiny_weights).items():
+        got = getattr(narrow.weights, name)
+        if name.startswith("rms_"):
+            continue
+        assert isinstance(got, Int8Matrix) and got.grouped and got.group_size == 32, name
+        stored = gguf.quants.quantize(np.ascontiguousarray(original, np.float32), qtype)
+        want = gguf.quants.dequantize(stored, qtype).reshape(original.shape)
+        assert np.array_equal(dequantize(got), want), name
+    tokens = [5, 17, 200, 3, 9, 250]
+    reference = make_backend("numpy")
+    reference.prepare(wide.config, wide.weights)
+    expected = np.stack([reference.forward(t, p) for p, t in enumerate(tokens)])
+    for options in ({"matvec": "kernel"}, {"matvec": "xla"}):
+        b = make_backend("jax", **options)
+        b.prepare(narrow.config, narrow.weights)
+        got = np.stack([b.forward(t, p) for p, t in enumerate(tokens)])
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+        chunk = b.prefill(tokens, 0)  # the prefill programs dequantize the groups
+        np.testing.assert_allclose(chunk, expected[-1], atol=1e-4, rtol=0)
+        ids, _ = b.decode_loop(tokens[-1], len(tokens), 4)  # the loop's embedding rows
+        greedy, pos, token = [], len(tokens), tokens[-1]
+        for _ in range(4):
+            token = int(np.argmax(reference.forward(token, pos)))
+            greedy.append(token)
+            pos += 1
+        assert ids == greedy
+
+
 def test_gguf_logits_equal_llama2c_route_on_both_backends(tmp_path, tiny_weights):
     """The same weights through a GGUF file and directly: identical logits, so the reader
     keeps the row order of attn_q/attn_k (no permutation)."""

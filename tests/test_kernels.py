@@ -21,6 +21,7 @@ from test_backends import GQA_UNSHARED, full_sequence_logits
 from jllama import kernels
 from jllama.backends import make_backend
 from jllama.generate import Generation
+from jllama.graphs.ops import matmul
 from jllama.kernels import library
 from jllama.quant import Int8Matrix, quantize_int8
 from jllama.sampling import Sampler
@@ -33,7 +34,9 @@ _matvec = jax.jit(kernels.matvec)
 def _reference(w, x) -> np.ndarray:
     """float64 `w @ x` of what the kernel reads: f32, widened bf16, or q * scale."""
     if isinstance(w, Int8Matrix):
-        dense = np.asarray(w.q, np.float64) * np.asarray(w.scale, np.float64)[:, None]
+        scale = np.asarray(w.scale, np.float64)
+        scale = np.repeat(scale, w.group_size, axis=-1) if w.grouped else scale[:, None]
+        dense = np.asarray(w.q, np.float64) * scale
     else:
         dense = np.asarray(w, np.float64)
     return dense @ np.asarray(x, np.float64)
@@ -69,6 +72,20 @@ def test_matvec_equals_float64_numpy_within_rounding(kind, m, n):
     assert got.dtype == np.float32 and got.shape == (m,)
     ref = _reference(w, x)
     assert np.all(np.abs(got - ref) <= _bound(np.asarray(w, np.float32), x))
+
+
+@pytest.mark.parametrize("m,n,group", [(3, 32, 32), (700, 576, 32), (4099, 96, 32),
+                                         (7, 48, 24), (9, 40, 8)])
+def test_grouped_int8_equals_float64_numpy_within_rounding(m, n, group):
+    """One scale per `group` weights (GGUF's Q8_0 / Q4_0 have 32); 24 and 8 take the loop
+    that does not assume whole 16-lane steps."""
+    rng = np.random.default_rng(m + n + group)
+    w = Int8Matrix(q=rng.integers(-127, 128, (m, n), dtype=np.int8),
+                   scale=rng.random((m, n // group), dtype=np.float32))
+    x = rng.standard_normal(n, dtype=np.float32)
+    for product in (_matvec, jax.jit(lambda w, x: matmul(w, x, "xla"))):
+        got = np.asarray(product(jax.device_put(w), jnp.asarray(x)))
+        assert np.all(np.abs(got - _reference(w, x)) <= _bound(np.asarray(w, np.float32), x))
 
 
 @settings(max_examples=60, deadline=None)
@@ -303,7 +320,7 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
     monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
     lib = ctypes.CDLL(str(library.build(march=march)))
     names = {}
-    for dtype, symbol in kernels.TARGETS.items():
+    for dtype, symbol in {**kernels.TARGETS, "int8_groups": kernels.GROUPED_INT8}.items():
         names[dtype] = f"{symbol}_{march.replace('-', '_')}"
         jax.ffi.register_ffi_target(names[dtype], jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
@@ -317,3 +334,9 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
             args = (wk.q, wk.scale, x) if dtype == "int8" else (wk, x)
             got = np.asarray(jax.ffi.ffi_call(names[dtype], out)(*map(jnp.asarray, args)))
             assert np.all(np.abs(got - _reference(wk, x)) <= _bound(np.asarray(wk, np.float32), x))
+        if n % 32 == 0:  # one scale per 32 weights, as GGUF's Q8_0
+            wg = Int8Matrix(q=rng.integers(-127, 128, (m, n), dtype=np.int8),
+                            scale=rng.random((m, n // 32), dtype=np.float32))
+            got = np.asarray(jax.ffi.ffi_call(names["int8_groups"], out)(
+                jnp.asarray(wg.q), jnp.asarray(wg.scale), jnp.asarray(x)))
+            assert np.all(np.abs(got - _reference(wg, x)) <= _bound(np.asarray(wg, np.float32), x))

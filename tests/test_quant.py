@@ -139,3 +139,20 @@ def test_open_model_int8():
     m = open_model(dtype="int8")
     assert weights_dtype(m.weights) == "int8"
     assert dataclasses.is_dataclass(m.weights)
+
+
+def test_group_scales_by_hand():
+    from jllama.quant import concatenate_rows, dequantize, group_scales
+
+    g = Int8Matrix(q=np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int8),
+                   scale=np.array([[0.5, 2.0], [1.0, 0.25]], np.float32))
+    assert g.grouped and g.group_size == 2
+    assert dequantize(g).tolist() == [[0.5, 1.0, 6.0, 8.0], [5.0, 6.0, 1.75, 2.0]]
+    assert dequantize(g[1]).tolist() == [5.0, 6.0, 1.75, 2.0]  # one row, as an embedding
+    r = Int8Matrix(q=np.array([[2, -4, 6, 8]], np.int8), scale=np.array([0.5], np.float32))
+    assert group_scales(r, 2).scale.tolist() == [[0.5, 0.5]]
+    both = concatenate_rows([g, r])  # the per-row matrix spread over groups of 2: exact
+    assert both.scale.shape == (3, 2)
+    assert dequantize(both).tolist() == dequantize(g).tolist() + [[1.0, -2.0, 3.0, 4.0]]
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_scales(r, 3)

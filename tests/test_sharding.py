@@ -157,7 +157,7 @@ def report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-MODELS = ["stories260K", "stories260K_int8", "tinyllama_2l"]
+MODELS = ["stories260K", "stories260K_int8", "grouped_q8_0", "tinyllama_2l"]
 
 
 def _cases(report):
@@ -190,12 +190,15 @@ def test_split_runs_give_the_one_device_tokens_and_logits(report):
             checked += 1
         if "loop" in entry:
             assert entry["loop"] == single["loop"], (model, n)
-    assert checked == 2 * 2 + 1 + 2 * 2  # stories260K, its int8 run, the TinyLlama shape
+    # stories260K, its int8 run, int8 with group scales, the TinyLlama shape
+    assert checked == 2 * 2 + 1 + 2 + 2 * 2
 
 
-def test_split_runs_agree_with_the_numpy_reference(report):
-    stories = report["stories260K"]
+@pytest.mark.parametrize("model", ["stories260K", "grouped_q8_0"])
+def test_split_runs_agree_with_the_numpy_reference(report, model):
+    stories = report[model]
     assert stories["numpy_tokens"] == stories["single"]["tokens"]
+    assert stories["single_vs_numpy"] < 1e-4
     for n, entry in stories["by_devices"].items():
         for mode in ("graph", "fused"):
             assert entry[mode]["max_diff_vs_numpy"] < 1e-4, (n, mode)

@@ -202,3 +202,39 @@ def dequantize(raw, type_id: int, shape) -> np.ndarray:
     blocks = buf.reshape(-1, nbytes)
     with np.errstate(all="ignore"):  # NaN/inf scales give NaN/inf, as in ggml, and no warning
         return _BLOCK_DEQUANTIZERS[type_id](blocks).reshape(shape)
+
+
+INT8_GROUP_TYPES = frozenset({Q8_0, Q4_0})
+"""Types whose values are int8 times one scale per block of 32 (Q4_0: its 4-bit q minus 8),
+which `int8_groups` splits without loss."""
+
+
+def int8_groups(raw, type_id: int, shape) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 or Q4_0 tensor as (q int8[shape], scale f32[*shape[:-1], shape[-1] // 32]) with
+    element j of a row equal to `q[j] * scale[j // 32]`, exactly the values `dequantize`
+    gives (each float16 scale widens to float32 exactly).
+
+    Raises:
+      CheckpointError: another type, or what `dequantize` raises for the shape and bytes.
+    """
+    if type_id not in INT8_GROUP_TYPES:
+        raise CheckpointError(f"{type_name(type_id)} is not int8 with group scales")
+    shape = tuple(int(n) for n in shape)
+    row_nbytes(type_id, shape[-1] if shape else -1)  # the block-size check
+    blocks = _as_bytes(raw)
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    expected = rows * row_nbytes(type_id, shape[-1])
+    if blocks.size != expected:
+        raise CheckpointError(
+            f"{type_name(type_id)} tensor of shape {shape} takes {expected} bytes, got "
+            f"{blocks.size}"
+        )
+    _, nbytes = _block(type_id)
+    blocks = blocks.reshape(-1, nbytes)
+    scale = _scale(blocks, 0).reshape(*shape[:-1], shape[-1] // 32)
+    if type_id == Q8_0:
+        q = blocks[:, 2:].view(np.int8)
+    else:
+        q = _nibbles(blocks[:, 2:]).view(np.int8)
+        q -= 8
+    return np.ascontiguousarray(q).reshape(shape), scale

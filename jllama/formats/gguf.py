@@ -47,7 +47,12 @@ from jllama.config import ModelConfig, RopeScaling
 from jllama.errors import CheckpointError, ConfigError, TokenizerError
 from jllama.files import require_regular_file
 from jllama.formats import ggml_quants
+from jllama.quant import Int8Matrix
 from jllama.weights import TransformerWeights, expected_shapes
+
+_MATRIX_FIELDS = frozenset(
+    {"token_embedding_table", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wcls"}
+)
 
 GGUF_MAGIC = b"GGUF"
 """The first four bytes of every GGUF file."""
@@ -249,13 +254,18 @@ def _tensor_target(name: str, n_layers: int) -> tuple[str, int | None] | None:
     return None
 
 
-def read_gguf(path: str | os.PathLike, seq_len: int | None = None) -> GGUFModel:
+def read_gguf(
+    path: str | os.PathLike, seq_len: int | None = None, int8: bool = False
+) -> GGUFModel:
     """Read a llama-architecture GGUF file: config, f32 weights, tokenizer, chat template.
 
     Args:
       path: the .gguf file.
       seq_len: cap on the context the KV cache is sized for (tokens); None = the model's
         `llama.context_length`.
+      int8: keep each weight matrix whose tensors are all Q8_0 or Q4_0 as a
+        `jllama.quant.Int8Matrix` with one scale per 32 weights (exactly the file's values;
+        `ggml_quants.int8_groups`) instead of dequantizing it (`--dtype=int8`).
 
     Returns:
       a `GGUFModel`. Quantized tensors (Q4_0, Q4_1, Q8_0) and F16/BF16 are dequantized to
@@ -301,11 +311,23 @@ def read_gguf(path: str | os.PathLike, seq_len: int | None = None) -> GGUFModel:
     if not shared:
         config = dataclasses.replace(config, shared_weights=False)
     shapes = expected_shapes(config)
+    grouped: set[str] = set()
+    if int8:
+        types: dict[str, set[int]] = {}
+        for tensor, (field, _) in tensors.values():
+            types.setdefault(field, set()).add(int(tensor.tensor_type))
+        grouped = {f for f, t in types.items()
+                   if f in _MATRIX_FIELDS and t <= ggml_quants.INT8_GROUP_TYPES}
     arrays: dict[str, np.ndarray] = {}
+    scales: dict[str, np.ndarray] = {}
     for field, shape in shapes.items():
         if field == "wcls" and shared:
             continue
-        arrays[field] = np.empty(shape, np.float32)
+        if field in grouped:
+            arrays[field] = np.empty(shape, np.int8)
+            scales[field] = np.empty((*shape[:-1], shape[-1] // 32), np.float32)
+        else:
+            arrays[field] = np.empty(shape, np.float32)
     filled: set[tuple[str, int | None]] = set()
     tensor_types = {}
     for name, (tensor, (field, layer)) in tensors.items():
@@ -319,7 +341,11 @@ def read_gguf(path: str | os.PathLike, seq_len: int | None = None) -> GGUFModel:
         type_id = int(tensor.tensor_type)
         tensor_types[name] = ggml_quants.type_name(type_id)
         try:
-            values = ggml_quants.dequantize(tensor.data, type_id, want)
+            if field in grouped:
+                values, scale = ggml_quants.int8_groups(tensor.data, type_id, want)
+                scales[field][... if layer is None else layer] = scale
+            else:
+                values = ggml_quants.dequantize(tensor.data, type_id, want)
         except CheckpointError as e:
             raise CheckpointError(f"{source}: tensor {name!r}: {e}") from None
         if layer is None:
@@ -339,6 +365,8 @@ def read_gguf(path: str | os.PathLike, seq_len: int | None = None) -> GGUFModel:
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"{source}: missing tensor {', '.join(missing[:3])}{more}")
+    for field in grouped:
+        arrays[field] = Int8Matrix(q=arrays[field], scale=scales[field])
     if shared:
         arrays["wcls"] = arrays["token_embedding_table"]
     template = meta.get("tokenizer.chat_template")

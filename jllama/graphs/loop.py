@@ -103,6 +103,8 @@ def _embedding_row(table, token: jax.Array) -> jax.Array:
     def row(a):
         return jnp.take(a, token, axis=0, mode="clip")
 
+    if isinstance(table, Int8Matrix) and table.grouped:
+        return row(table.q).astype(jnp.float32) * jnp.repeat(row(table.scale), table.group_size)
     if isinstance(table, Int8Matrix):
         return row(table.q).astype(jnp.float32) * row(table.scale)
     return row(table).astype(jnp.float32)

@@ -37,6 +37,10 @@ def matmul(w: jax.Array | Int8Matrix, x: jax.Array, matvec: str = "xla") -> jax.
         return kernels.matvec(w, x)
     if matvec != "xla":
         raise ValueError(f"matvec={matvec!r}; known: {', '.join(kernels.MATVEC_MODES)}")
+    if isinstance(w, Int8Matrix) and w.grouped:  # one scale per group: sum each group first
+        out, n = w.q.shape
+        groups = w.q.reshape(out, -1, w.group_size).astype(jnp.float32)
+        return jnp.sum(jnp.sum(groups * x.reshape(-1, w.group_size), axis=-1) * w.scale, -1)
     if isinstance(w, Int8Matrix):
         return jnp.sum(w.q.astype(jnp.float32) * x, axis=-1) * w.scale
     if w.dtype != jnp.float32:

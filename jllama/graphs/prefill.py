@@ -32,6 +32,10 @@ def _rows_matmul(x: jax.Array, w) -> jax.Array:
     """x: f32[T, in], w: [out, in] (f32, or bf16 / `Int8Matrix` widened inside the program)
     -> f32[T, out]: each row times w. A chunk's product is matrix-matrix, so widening the
     weights once per chunk costs little next to the T rows it serves."""
+    if isinstance(w, Int8Matrix) and w.grouped:
+        out, n = w.q.shape
+        dense = w.q.reshape(out, -1, w.group_size).astype(jnp.float32) * w.scale[..., None]
+        return jnp.einsum("ti,oi->to", x, dense.reshape(out, n), precision=PRECISION)
     if isinstance(w, Int8Matrix):
         return jnp.einsum("ti,oi->to", x, w.q.astype(jnp.float32), precision=PRECISION) * w.scale
     if w.dtype != jnp.float32:

@@ -30,8 +30,10 @@ MATVEC_MODES = ("xla", "kernel")
 """How the decode programs compute a matrix-vector product: "xla": `jnp.dot` (or XLA's
 widening multiply-and-sum for narrow weights); "kernel": jllama's CPU kernels."""
 
-TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS, strict=True))
-"""The FFI handler for each weight dtype."""
+TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS[:3], strict=True))
+"""The FFI handler for each weight dtype (int8: one scale per row)."""
+GROUPED_INT8 = SYMBOLS[3]
+"""The handler for int8 with one scale per group of a row (`Int8Matrix.grouped`)."""
 
 __all__ = ["MATVEC_MODES", "KernelBuildError", "load", "matvec"]
 
@@ -51,7 +53,7 @@ def load() -> str:
     except KernelBuildError as e:  # a cached file damaged since it was built
         raise KernelBuildError(f"{e}; delete it to rebuild, or pass --matvec=xla") from None
     lib = ctypes.CDLL(str(path))
-    for target in TARGETS.values():
+    for target in SYMBOLS:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
                                     platform="cpu")
     return str(path)
@@ -63,7 +65,8 @@ def matvec(w, x: jax.Array) -> jax.Array:
 
     Args:
       w: f32[m, n], bf16[m, n] (widened exactly) or an `Int8Matrix` (q int8[m, n], scale
-        f32[m]: `scale * (q @ x)`), rows as llama2.c's "out x in".
+        f32[m]: `scale * (q @ x)`; or grouped, scale f32[m, n // g]: each group's sum times its
+        scale), rows as llama2.c's "out x in".
       x: f32[n].
 
     Returns:
@@ -77,6 +80,8 @@ def matvec(w, x: jax.Array) -> jax.Array:
     if w.ndim != 2 or x.shape != (w.shape[1],):
         raise ValueError(f"matvec needs w[m, n] and x[n], got {w.shape} and {x.shape}")
     x = x.astype(jnp.float32)
+    if isinstance(w, Int8Matrix) and w.grouped:
+        return jax.ffi.ffi_call(GROUPED_INT8, out)(w.q, w.scale, x)
     if isinstance(w, Int8Matrix):
         return jax.ffi.ffi_call(TARGETS["int8"], out)(w.q, w.scale, x)
     name = jnp.dtype(w.dtype).name

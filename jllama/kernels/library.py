@@ -41,7 +41,8 @@ class KernelBuildError(BackendError):
     """The kernels cannot be built or loaded here (one line)."""
 
 
-SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8")
+SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8",
+           "jllama_matvec_int8_groups")
 """The FFI handlers `matvec.cc` exports; a library lacking one is not used or cached."""
 
 

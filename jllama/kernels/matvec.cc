@@ -4,6 +4,8 @@
 //   jllama_matvec_f32   y[i] = sum_j w[i, j] * x[j]                w: f32[m, n]
 //   jllama_matvec_bf16  the same with w: bf16[m, n], each weight widened to f32 exactly
 //   jllama_matvec_int8  y[i] = scale[i] * sum_j q[i, j] * x[j]     q: int8[m, n], scale: f32[m]
+//   jllama_matvec_int8_groups  y[i] = sum_k scale[i, k] * sum_{j in group k} q[i, j] * x[j]
+//                       scale: f32[m, G], groups of n / G weights (GGUF's Q8_0 / Q4_0: 32)
 //
 // x: f32[n], y: f32[m]; rows are "out x in" as in llama2.c run.c's matmul. Sums are f32 in
 // 64 interleaved partial sums per row (lane j sums the elements j, j + 64, j + 128, ...), then
@@ -146,6 +148,7 @@ struct Product {
   const float* x;
   float* y;
   int64_t n;
+  int64_t groups;  // scales per row, for rows_int8_groups
 };
 
 void rows_f32(const Product& p, int64_t begin, int64_t end) {
@@ -156,6 +159,45 @@ void rows_f32(const Product& p, int64_t begin, int64_t end) {
 void rows_bf16(const Product& p, int64_t begin, int64_t end) {
   const uint16_t* w = static_cast<const uint16_t*>(p.w);
   for (int64_t r = begin; r < end; ++r) p.y[r] = dot_bf16(w + r * p.n, p.x, p.n);
+}
+
+// Groups: each group's 16 lanes summed from zero, then multiplied by the group's scale into 16
+// running lanes, then those halved as a tree (8, 4, 2, 1). A fixed order, as above.
+inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x, int64_t n,
+                             int64_t size) {
+  float acc[16] = {0};
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  if (size % 16 == 0) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t g = 0; g < n; g += size, ++k) {
+      __m512 part = _mm512_setzero_ps();
+      for (int64_t i = g; i < g + size; i += 16) {
+        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+        part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
+                               _mm512_loadu_ps(x + i), part);
+      }
+      a = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[k]), a);
+    }
+    _mm512_storeu_ps(acc, a);
+    k = n / size;  // all groups done
+  }
+#endif
+  for (int64_t g = k * size; g < n; g += size, ++k) {
+    float part[16] = {0};
+    for (int64_t i = g; i < g + size; ++i) part[(i - g) % 16] += static_cast<float>(q[i]) * x[i];
+    for (int j = 0; j < 16; ++j) acc[j] += part[j] * scale[k];
+  }
+  for (int half = 8; half >= 1; half /= 2)
+    for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+  return acc[0];
+}
+
+void rows_int8_groups(const Product& p, int64_t begin, int64_t end) {
+  const int8_t* q = static_cast<const int8_t*>(p.w);
+  const int64_t groups = p.groups, size = p.n / groups;
+  for (int64_t r = begin; r < end; ++r)
+    p.y[r] = dot_int8_groups(q + r * p.n, p.scale + r * groups, p.x, p.n, size);
 }
 
 void rows_int8(const Product& p, int64_t begin, int64_t end) {
@@ -260,6 +302,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_bf16, MatvecBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Bf16Matrix>()
+                                  .Arg<F32Vector>()
+                                  .Ret<F32Vector>());
+
+ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale, F32Vector x,
+                            F32Result y) {
+  int64_t m = q.dimensions()[0], n = q.dimensions()[1];
+  if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
+  int64_t groups = scale.dimensions()[1];
+  if (scale.dimensions()[0] != m || groups < 1 || n % groups != 0)
+    return ffi::Error::InvalidArgument(
+        "jllama matvec_int8_groups: scale must be f32[m, G] with G dividing n");
+  run(pool, Product{rows_int8_groups, q.typed_data(), scale.typed_data(), x.typed_data(),
+                    y->typed_data(), n, groups}, m);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8_groups, MatvecInt8Groups,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Int8Matrix>()
+                                  .Arg<F32Matrix>()
                                   .Arg<F32Vector>()
                                   .Ret<F32Vector>());
 
