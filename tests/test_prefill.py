@@ -3,6 +3,8 @@ by token, the same tokens in generation, and a fixed set of compiled shapes."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -21,6 +23,22 @@ GQA = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=8, n_kv_heads=2, vo
 @pytest.fixture(scope="module")
 def gqa():
     return GQA, random_weights(GQA, seed=4, scale=0.1)
+
+
+@contextlib.contextmanager
+def _compiles():
+    """The names of the programs XLA compiles inside the `with` block, in order."""
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _fresh(config, weights, name="jax"):
@@ -82,20 +100,11 @@ def test_prefill_compiles_only_the_fixed_chunk_shapes(gqa):
     b = _fresh(config, weights)
     jax.clear_caches()
     b = _fresh(config, weights)
-    compiled = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(kwargs.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with _compiles() as compiled:
         tokens = [int(t) for t in np.random.default_rng(0).integers(0, 300, config.seq_len)]
         lengths = list(range(1, 80)) + list(range(80, config.seq_len + 1, 13))
         for n in lengths + [256, 512, config.seq_len]:  # 256, 512: ending on a whole chunk
             b.prefill(tokens[:n], 0)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     windows = sorted({attention_window(config.seq_len, p) for p in range(config.seq_len)})
     assert windows == [256, 512, 768]  # 3 blocks of 256 hold the 600 positions
     for program in ("qkv_chunk", "block_chunk", "classifier_last"):
@@ -174,19 +183,10 @@ def test_compile_for_leaves_nothing_to_compile_and_changes_no_token(gqa, decode,
         loop = loop_decoder(b, sampler, ()) if decode == "loop" else None
         if warm:
             b.compile_for(len(prompt), steps - 1, getattr(loop, "kind", None), chunked=chunked)
-        compiled = []
-
-        def listener(event, duration, **kwargs):
-            if event == "/jax/core/compile/backend_compile_duration":
-                compiled.append(kwargs.get("fun_name"))
-
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
+        with _compiles() as compiled:
             gen = Generation(b.forward, prompt, sampler, steps=steps, stop_ids=(),
                              prefill=b.prefill if chunked else None, decode_loop=loop)
             ids = [t.id for t in gen]
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
         return ids, compiled
 
     cold_ids, cold_compiled = generate(warm=False)
