@@ -19,13 +19,12 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 
 _PP = re.compile(r"\|\s*pp[0-9]+\s*\|\s*([0-9]+(?:\.[0-9]*)?)\s*±")
 
 
 def child(args: argparse.Namespace) -> None:
-    import numpy as np
+    from worker import prompt_tokens, time_prefill
 
     from jllama.backends import make_backend
     from jllama.loading import open_model
@@ -34,14 +33,9 @@ def child(args: argparse.Namespace) -> None:
                        seq_len=args.seq_len)
     backend = make_backend("jax")
     backend.prepare(model.config, model.weights)
-    ids = [int(t) for t in np.random.default_rng(0).integers(3, model.config.vocab_size,
-                                                             args.tokens)]
-    backend.prefill(ids, 0)  # compiles the chunk programs
-    rates = []
-    for _ in range(args.runs):
-        start = time.perf_counter()
-        backend.prefill(ids, 0)
-        rates.append(args.tokens / (time.perf_counter() - start))
+    ids = prompt_tokens(args.tokens, model.config.vocab_size, seed=0)
+    time_prefill(backend, "batched", ids)  # compiles the chunk programs
+    rates = [args.tokens / time_prefill(backend, "batched", ids) for _ in range(args.runs)]
     print(json.dumps({"prefill_tok_s": statistics.median(rates), "runs": rates}))
 
 

@@ -17,7 +17,6 @@ call, so split programs keep `jnp.dot`; other platforms never lower these target
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import jax
@@ -49,10 +48,9 @@ def load() -> str:
     """
     path = build()
     try:
-        check_library(path)
+        lib = check_library(path)
     except KernelBuildError as e:  # a cached file damaged since it was built
         raise KernelBuildError(f"{e}; delete it to rebuild, or pass --matvec=xla") from None
-    lib = ctypes.CDLL(str(path))
     for target in SYMBOLS:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
                                     platform="cpu")

@@ -97,8 +97,8 @@ def is_built() -> bool:
     return cxx is not None and library_path(cxx).exists()
 
 
-def check_library(path: str | os.PathLike) -> None:
-    """Load the library at `path` (into this process) and look up every handler.
+def check_library(path: str | os.PathLike) -> ctypes.CDLL:
+    """Load the library at `path` (into this process), look up every handler, and return it.
 
     Raises:
       KernelBuildError: it does not load, or lacks a handler.
@@ -107,6 +107,7 @@ def check_library(path: str | os.PathLike) -> None:
         lib = ctypes.CDLL(os.fspath(path))
         for name in SYMBOLS:
             getattr(lib, name)
+        return lib
     except (OSError, AttributeError) as e:
         # ctypes' messages start with the path; keep the reason only.
         reason = str(e).replace(f"{os.fspath(path)}: ", "")

@@ -54,18 +54,26 @@ constexpr int64_t kMinParallelWeights = 1 << 16;
 // Chunks per thread: uneven progress between threads then costs at most a fraction of a chunk.
 constexpr int64_t kChunksPerThread = 4;
 
+// Halves 16 partial sums as a tree (k with k + 8, then + 4, + 2, + 1) into s[0].
+inline float halve16(float* s) {
+  for (int half = 8; half >= 1; half /= 2)
+    for (int k = 0; k < half; ++k) s[k] += s[k + half];
+  return s[0];
+}
+
 // The 64 lanes as a tree: lane k with k + 16, k + 32, k + 48 as (a + b) + (c + d), then the
-// 16 partial sums halved (k with k + 8, then + 4, + 2, + 1): six additions deep, where a
-// left-to-right sum would be 64 deep and cost more than a short row's loads.
+// 16 partial sums halved: six additions deep, where a left-to-right sum would be 64 deep and
+// cost more than a short row's loads.
 inline float finish(const float* acc, float tail) {
   float s[16];
   for (int k = 0; k < 16; ++k) s[k] = (acc[k] + acc[k + 16]) + (acc[k + 32] + acc[k + 48]);
-  for (int half = 8; half >= 1; half /= 2)
-    for (int k = 0; k < half; ++k) s[k] += s[k + half];
-  return s[0] + tail;
+  return halve16(s) + tail;
 }
 
-inline float bf16_to_f32(uint16_t h) {
+// One weight as float32: exact for every stored type.
+inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(uint16_t h) {  // bfloat16: the upper half of a float32
   uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
@@ -73,69 +81,43 @@ inline float bf16_to_f32(uint16_t h) {
 }
 
 #if defined(__AVX512F__)
-// Four 16-float registers = the 64 lanes; `load16(w + i + 16 * k)` widens 16 weights.
-template <typename Load>
-inline void lanes_avx512(const Load& load16, const float* x, int64_t n, int64_t& i, float* acc) {
+// 16 consecutive weights from w as one register of float32.
+inline __m512 widen16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 widen16(const uint16_t* w) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 widen16(const int8_t* w) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+#endif
+
+// sum_j w[j] * x[j] in the 64-lane order above; T: float, uint16_t (bfloat16) or int8_t.
+template <typename T>
+inline float dot(const T* w, const float* x, int64_t n) {
+  int64_t i = 0;
+  float acc[kLanes] = {0};
+#if defined(__AVX512F__)
+  // Four 16-float registers are the 64 lanes.
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
   for (; i + kLanes <= n; i += kLanes) {
-    a0 = _mm512_fmadd_ps(load16(i), _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(load16(i + 16), _mm512_loadu_ps(x + i + 16), a1);
-    a2 = _mm512_fmadd_ps(load16(i + 32), _mm512_loadu_ps(x + i + 32), a2);
-    a3 = _mm512_fmadd_ps(load16(i + 48), _mm512_loadu_ps(x + i + 48), a3);
+    a0 = _mm512_fmadd_ps(widen16(w + i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(widen16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(widen16(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(widen16(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
   }
   _mm512_storeu_ps(acc, a0);
   _mm512_storeu_ps(acc + 16, a1);
   _mm512_storeu_ps(acc + 32, a2);
   _mm512_storeu_ps(acc + 48, a3);
-}
-#endif
-
-inline float dot_f32(const float* w, const float* x, int64_t n) {
-  int64_t i = 0;
-  float acc[kLanes] = {0};
-#if defined(__AVX512F__)
-  lanes_avx512([w](int64_t k) { return _mm512_loadu_ps(w + k); }, x, n, i, acc);
 #else
   for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += w[i + j] * x[i + j];
+    for (int j = 0; j < kLanes; ++j) acc[j] += widen(w[i + j]) * x[i + j];
 #endif
   float tail = 0.0f;
-  for (; i < n; ++i) tail += w[i] * x[i];
-  return finish(acc, tail);
-}
-
-inline float dot_bf16(const uint16_t* w, const float* x, int64_t n) {
-  int64_t i = 0;
-  float acc[kLanes] = {0};
-#if defined(__AVX512F__)
-  lanes_avx512([w](int64_t k) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }, x, n, i, acc);
-#else
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += bf16_to_f32(w[i + j]) * x[i + j];
-#endif
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += bf16_to_f32(w[i]) * x[i];
-  return finish(acc, tail);
-}
-
-inline float dot_int8(const int8_t* q, const float* x, int64_t n) {
-  int64_t i = 0;
-  float acc[kLanes] = {0};
-#if defined(__AVX512F__)
-  lanes_avx512([q](int64_t k) {
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  }, x, n, i, acc);
-#else
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += static_cast<float>(q[i + j]) * x[i + j];
-#endif
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += static_cast<float>(q[i]) * x[i];
+  for (; i < n; ++i) tail += widen(w[i]) * x[i];
   return finish(acc, tail);
 }
 
@@ -151,14 +133,10 @@ struct Product {
   int64_t groups;  // scales per row, for rows_int8_groups
 };
 
-void rows_f32(const Product& p, int64_t begin, int64_t end) {
-  const float* w = static_cast<const float*>(p.w);
-  for (int64_t r = begin; r < end; ++r) p.y[r] = dot_f32(w + r * p.n, p.x, p.n);
-}
-
-void rows_bf16(const Product& p, int64_t begin, int64_t end) {
-  const uint16_t* w = static_cast<const uint16_t*>(p.w);
-  for (int64_t r = begin; r < end; ++r) p.y[r] = dot_bf16(w + r * p.n, p.x, p.n);
+template <typename T>
+void rows(const Product& p, int64_t begin, int64_t end) {
+  const T* w = static_cast<const T*>(p.w);
+  for (int64_t r = begin; r < end; ++r) p.y[r] = dot(w + r * p.n, p.x, p.n);
 }
 
 // Groups: each group's 16 lanes summed from zero, then multiplied by the group's scale into 16
@@ -172,11 +150,8 @@ inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x
     __m512 a = _mm512_setzero_ps();
     for (int64_t g = 0; g < n; g += size, ++k) {
       __m512 part = _mm512_setzero_ps();
-      for (int64_t i = g; i < g + size; i += 16) {
-        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
-        part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
-                               _mm512_loadu_ps(x + i), part);
-      }
+      for (int64_t i = g; i < g + size; i += 16)
+        part = _mm512_fmadd_ps(widen16(q + i), _mm512_loadu_ps(x + i), part);
       a = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[k]), a);
     }
     _mm512_storeu_ps(acc, a);
@@ -185,12 +160,10 @@ inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x
 #endif
   for (int64_t g = k * size; g < n; g += size, ++k) {
     float part[16] = {0};
-    for (int64_t i = g; i < g + size; ++i) part[(i - g) % 16] += static_cast<float>(q[i]) * x[i];
+    for (int64_t i = g; i < g + size; ++i) part[(i - g) % 16] += widen(q[i]) * x[i];
     for (int j = 0; j < 16; ++j) acc[j] += part[j] * scale[k];
   }
-  for (int half = 8; half >= 1; half /= 2)
-    for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
-  return acc[0];
+  return halve16(acc);
 }
 
 void rows_int8_groups(const Product& p, int64_t begin, int64_t end) {
@@ -202,9 +175,8 @@ void rows_int8_groups(const Product& p, int64_t begin, int64_t end) {
 
 void rows_int8(const Product& p, int64_t begin, int64_t end) {
   const int8_t* q = static_cast<const int8_t*>(p.w);
-  for (int64_t r = begin; r < end; ++r) p.y[r] = dot_int8(q + r * p.n, p.x, p.n) * p.scale[r];
+  for (int64_t r = begin; r < end; ++r) p.y[r] = dot(q + r * p.n, p.x, p.n) * p.scale[r];
 }
-
 // Shared between the caller and the pool tasks; a task may start after the product is done,
 // so the state lives as long as its last holder.
 struct Work {
@@ -264,7 +236,7 @@ ffi::Error MatvecF32(ffi::ThreadPool pool, F32Matrix w, F32Vector x,
                      F32Result y) {
   int64_t m = w.dimensions()[0], n = w.dimensions()[1];
   if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
-  run(pool, Product{rows_f32, w.typed_data(), nullptr, x.typed_data(), y->typed_data(), n}, m);
+  run(pool, Product{rows<float>, w.typed_data(), nullptr, x.typed_data(), y->typed_data(), n}, m);
   return ffi::Error::Success();
 }
 
@@ -272,7 +244,7 @@ ffi::Error MatvecBf16(ffi::ThreadPool pool, Bf16Matrix w,
                       F32Vector x, F32Result y) {
   int64_t m = w.dimensions()[0], n = w.dimensions()[1];
   if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
-  run(pool, Product{rows_bf16, w.untyped_data(), nullptr, x.typed_data(), y->typed_data(), n},
+  run(pool, Product{rows<uint16_t>, w.untyped_data(), nullptr, x.typed_data(), y->typed_data(), n},
       m);
   return ffi::Error::Success();
 }
