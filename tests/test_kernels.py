@@ -134,6 +134,124 @@ def test_matvec_refuses_what_it_has_no_kernel_for():
         kernels.matvec(jnp.zeros((2, 3)), jnp.zeros(4))
 
 
+def _attention_reference(qg, key_blocks, value_blocks, pos) -> np.ndarray:
+    """float64 softmax attention of each query head over positions 0 .. pos of the blocks
+    laid end to end (as llama2.c run.c's loop over t <= pos)."""
+    keys = np.concatenate([np.asarray(k, np.float64) for k in key_blocks], axis=1)[:, :pos + 1]
+    values = np.concatenate([np.asarray(v, np.float64) for v in value_blocks], axis=1)[:, :pos + 1]
+    q = np.asarray(qg, np.float64)
+    scores = np.einsum("gmd,gtd->gmt", q, keys) / np.sqrt(q.shape[-1])
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("gmt,gtd->gmd", weights, values)
+
+
+def _attention_case(rng, n_kv, kv_mul, head_dim, block, n_blocks, pos, cur):
+    """Random q and blocks; with `cur`, block cur is given apart and its slot holds NaNs (the
+    kernel must not read it)."""
+    qg = rng.standard_normal((n_kv, kv_mul, head_dim), dtype=np.float32)
+    keys = [rng.standard_normal((n_kv, block, head_dim), dtype=np.float32)
+            for _ in range(n_blocks)]
+    values = [rng.standard_normal((n_kv, block, head_dim), dtype=np.float32)
+              for _ in range(n_blocks)]
+    expected = _attention_reference(qg, keys, values, pos)
+    # Positions after pos are never read: poison them.
+    for b in range(n_blocks):
+        first = max(0, pos + 1 - b * block)
+        keys[b][:, first:] = np.nan
+        values[b][:, first:] = np.nan
+    args = [jnp.asarray(qg), tuple(map(jnp.asarray, keys)), tuple(map(jnp.asarray, values)),
+            jnp.int32(pos)]
+    if cur is not None:
+        key_cur, value_cur = keys[cur].copy(), values[cur].copy()
+        keys[cur][:] = np.nan
+        values[cur][:] = np.nan
+        args = [jnp.asarray(qg), tuple(map(jnp.asarray, keys)), tuple(map(jnp.asarray, values)),
+                jnp.int32(pos), jnp.int32(cur), jnp.asarray(key_cur), jnp.asarray(value_cur)]
+    return args, expected
+
+
+_attention = jax.jit(kernels.attention)
+
+
+@pytest.mark.parametrize(
+    "n_kv,kv_mul,head_dim,block,n_blocks,pos,cur",
+    [
+        (1, 1, 4, 8, 1, 0, None),        # one position: the output is v_0
+        (6, 1, 48, 256, 1, 130, None),   # stories15M's heads
+        (3, 3, 64, 256, 1, 255, 0),      # SmolLM2's grouped heads, the loop's block given apart
+        (3, 3, 64, 256, 2, 256, 1),      # first position of the second block
+        (2, 4, 20, 16, 4, 50, 2),        # head_dim not a multiple of 16
+        (8, 2, 64, 256, 4, 1000, 3),     # long: split over threads
+        (2, 1, 17, 5, 3, 9, None),       # odd sizes everywhere
+    ],
+)
+def test_attention_equals_float64_numpy(n_kv, kv_mul, head_dim, block, n_blocks, pos, cur):
+    args, expected = _attention_case(np.random.default_rng(pos), n_kv, kv_mul, head_dim, block,
+                                     n_blocks, pos, cur)
+    got = np.asarray(_attention(*args))
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_attention_by_hand():
+    """One head, two positions, head_dim 4: scores q.k / 2 = (1, 0), softmax (e/(e+1),
+    1/(e+1)), output the mix of the two value rows."""
+    q = jnp.asarray([[[2.0, 0, 0, 0]]])
+    k = jnp.asarray([[[1.0, 0, 0, 0], [0, 1.0, 0, 0]]])
+    v = jnp.asarray([[[1.0, 2, 3, 4], [5.0, 6, 7, 8]]])
+    e = np.e
+    want = (e * np.array([1, 2, 3, 4]) + np.array([5, 6, 7, 8])) / (e + 1)
+    np.testing.assert_allclose(np.asarray(_attention(q, (k,), (v,), jnp.int32(1)))[0, 0], want,
+                               rtol=1e-6)
+    # At pos 0 only the first position counts.
+    np.testing.assert_allclose(np.asarray(_attention(q, (k,), (v,), jnp.int32(0)))[0, 0],
+                               [1, 2, 3, 4], rtol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_kv=st.integers(1, 4), kv_mul=st.integers(1, 4), head_dim=st.integers(1, 80),
+    block=st.sampled_from([1, 7, 16, 64]), n_blocks=st.integers(1, 4), seed=st.integers(0, 99),
+    data=st.data(),
+)
+def test_attention_property(n_kv, kv_mul, head_dim, block, n_blocks, seed, data):
+    pos = data.draw(st.integers(0, block * n_blocks - 1))
+    cur = data.draw(st.one_of(st.none(), st.integers(0, n_blocks - 1)))
+    args, expected = _attention_case(np.random.default_rng(seed), n_kv, kv_mul, head_dim, block,
+                                     n_blocks, pos, cur)
+    np.testing.assert_allclose(np.asarray(_attention(*args)), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_attention_gives_the_same_bits_every_call():
+    """Key heads are split over threads; each head's sums run on one thread in a fixed order."""
+    args, _ = _attention_case(np.random.default_rng(1), 8, 4, 64, 256, 8, 2000, 7)
+    first = np.asarray(_attention(*args))
+    for _ in range(20):
+        assert np.array_equal(np.asarray(_attention(*args)), first)
+
+
+def test_attention_refuses_a_position_outside_its_blocks():
+    args, _ = _attention_case(np.random.default_rng(2), 2, 1, 8, 16, 1, 3, None)
+    args[3] = jnp.int32(16)
+    with pytest.raises(Exception, match="pos outside the blocks"):
+        np.asarray(_attention(*args))
+
+
+def test_kernel_decode_crosses_cache_blocks_like_the_full_sequence_forward():
+    """270 positions: the attention kernel reads the first cache block whole and the second
+    in part (graph mode; the loop's block-apart form is checked against the other modes in
+    test_decode_loop)."""
+    from jllama.config import ModelConfig
+
+    config = ModelConfig(dim=32, hidden_dim=48, n_layers=1, n_heads=4, n_kv_heads=2,
+                         vocab_size=64, seq_len=300, shared_weights=False)
+    weights = random_weights(config, seed=5, scale=0.1)
+    tokens = list(np.random.default_rng(6).integers(0, 64, 270))
+    b, got = _decode_logits(config, weights, tokens, matvec="kernel")
+    np.testing.assert_allclose(got, full_sequence_logits(config, weights, tokens), atol=1e-4,
+                               rtol=0)
+
+
 def _decode_logits(config, weights, tokens, **options):
     b = make_backend("jax", **options)
     b.prepare(config, weights)
@@ -197,6 +315,10 @@ def test_the_compiled_programs_call_the_kernel_only_when_asked(stories260k):
             layer.w2, layer.w3, matvec=b.matvec,
         ).as_text()
         assert ("jllama_matvec_f32" in hlo) is expected
+        keys = (jnp.zeros((config.n_kv_heads, b.block_length, config.head_dim)),)
+        hlo = graphs.attention.lower(config, jnp.zeros((config.n_heads, config.head_dim)), keys,
+                                     keys, jnp.int32(0), matvec=b.matvec).as_text()
+        assert ("jllama_attention_f32" in hlo) is expected
 
 
 def test_auto_falls_back_to_xla_when_the_kernels_do_not_build(stories260k, monkeypatch):
@@ -320,7 +442,9 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
     monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
     lib = ctypes.CDLL(str(library.build(march=march)))
     names = {}
-    for dtype, symbol in {**kernels.TARGETS, "int8_groups": kernels.GROUPED_INT8}.items():
+    symbols = {**kernels.TARGETS, "int8_groups": kernels.GROUPED_INT8,
+               "attention": kernels.ATTENTION}
+    for dtype, symbol in symbols.items():
         names[dtype] = f"{symbol}_{march.replace('-', '_')}"
         jax.ffi.register_ffi_target(names[dtype], jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
@@ -340,3 +464,11 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
             got = np.asarray(jax.ffi.ffi_call(names["int8_groups"], out)(
                 jnp.asarray(wg.q), jnp.asarray(wg.scale), jnp.asarray(x)))
             assert np.all(np.abs(got - _reference(wg, x)) <= _bound(np.asarray(wg, np.float32), x))
+    for case in [(3, 3, 64, 256, 2, 300, 1), (2, 4, 20, 16, 4, 50, None)]:
+        args, expected = _attention_case(rng, *case)
+        if case[-1] is None:  # the graph mode's form: no block given apart
+            args = args[:4] + [jnp.int32(-1), args[1][0], args[2][0]]
+        q, keys, values, pos, cur, key_cur, value_cur = args
+        got = jax.ffi.ffi_call(names["attention"], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q, pos, cur, key_cur, value_cur, *keys, *values)
+        np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5, rtol=1e-5)

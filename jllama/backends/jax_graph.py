@@ -463,7 +463,9 @@ class JaxGraphBackend:
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
                 self.inv_freq, shards=self._shards, matvec=self.matvec,
             )
-            att = programs.attention(config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr)
+            att = programs.attention(
+                config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec
+            )
             x = programs.block(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3,
                 matvec=self.matvec,

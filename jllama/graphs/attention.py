@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jllama import kernels
 from jllama.config import ModelConfig
 from jllama.graphs.ops import PRECISION
 
@@ -82,11 +83,15 @@ def causal_softmax(scores: jax.Array, pos: jax.Array) -> jax.Array:
     return jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
 
 
-def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax.Array):
+def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax.Array,
+           matvec: str = "xla"):
     """The attention formula over blocks (traced; shared by the programs): q: f32[n_heads,
-    head_dim], blocks as in `attention` -> f32[q_dim]."""
+    head_dim], blocks as in `attention` -> f32[q_dim]. matvec="kernel": jllama's CPU kernel
+    (`jllama.kernels.attention`), which reads positions 0 .. pos only."""
     c = config
     qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
+    if matvec == "kernel":
+        return kernels.attention(qg, key_blocks, value_blocks, pos).reshape(c.q_dim)
     scores = block_scores(qg, key_blocks, "gmd,gsd->gms") / jnp.sqrt(jnp.float32(c.head_dim))
     weights = causal_softmax(scores, pos)
     return block_weighted_sum(weights, value_blocks, "gms,gsd->gmd").reshape(c.q_dim)
@@ -94,7 +99,7 @@ def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax
 
 def attend_current(
     config: ModelConfig, q: jax.Array, key_blocks, value_blocks, cur: jax.Array,
-    key_cur: jax.Array, value_cur: jax.Array, pos: jax.Array,
+    key_cur: jax.Array, value_cur: jax.Array, pos: jax.Array, matvec: str = "xla",
 ):
     """`attend` where block `cur` (a traced index) is given separately as key_cur, value_cur
     (written by the same program, e.g. inside the decode loop) and its slot in key_blocks,
@@ -102,6 +107,10 @@ def attend_current(
     c = config
     size = key_cur.shape[1]
     qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
+    if matvec == "kernel":
+        return kernels.attention(
+            qg, key_blocks, value_blocks, pos, cur, key_cur, value_cur
+        ).reshape(c.q_dim)
     if len(key_blocks) == 1:
         # The current block is the only one (cur is 0): skip the products over its zeros,
         # half of this attention's work (positions < 256, e.g. every stories15M token).
@@ -123,13 +132,15 @@ def attend_current(
     return att.reshape(c.q_dim)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
 def attention(
     config: ModelConfig,
     q: jax.Array,
     key_blocks: tuple,
     value_blocks: tuple,
     pos: jax.Array,
+    *,
+    matvec: str = "xla",
 ) -> jax.Array:
     """One layer's attention for the token at `pos`, as llama2.c run.c.
 
@@ -147,9 +158,11 @@ def attention(
         `attention_blocks(seq_len, pos)`), each f32[n_kv_heads, block_length, head_dim],
         already holding this position's key and value. One program is compiled per k.
       pos: int32 scalar, 0 <= pos < k * block_length.
+      matvec: static; "kernel" computes it with jllama's CPU kernel (positions 0 .. pos
+        only), "xla" as above (`jllama.graphs.ops.matmul` names the same choice).
 
     Returns:
       att: f32[q_dim], the attention output (heads concatenated).
     """
     with jax.named_scope("attention"):
-        return attend(config, q, key_blocks, value_blocks, pos)
+        return attend(config, q, key_blocks, value_blocks, pos, matvec)

@@ -180,7 +180,9 @@ def decode_loop(
                 c, x, layer.rms_att_weight, layer.wqkv, kcs[l], vcs[l], p, inv_freq,
                 shards=shards, matvec=matvec,
             )
-            att = attend_current(c, q, key_blocks[l], value_blocks[l], cur, kcs[l], vcs[l], p)
+            att = attend_current(
+                c, q, key_blocks[l], value_blocks[l], cur, kcs[l], vcs[l], p, matvec
+            )
             x = block.__wrapped__(
                 c, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3,
                 matvec=matvec,

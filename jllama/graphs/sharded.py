@@ -73,7 +73,7 @@ def sharded_programs(mesh: Mesh, wait: bool | None = None) -> types.SimpleNamesp
 
     return types.SimpleNamespace(
         qkv=jit(graphs.qkv, (heads, heads, heads), ("shards", "matvec"), donate_block),
-        attention=jit(graphs.attention, heads),
+        attention=jit(graphs.attention, heads, ("matvec",)),
         block=jit(graphs.block, rep, ("matvec",)),
         classifier=jit(graphs.classifier, rep, ("matvec",)),
         qkv_chunk=jit(graphs.qkv_chunk, (token_heads, heads, heads), ("shards",), donate_block),

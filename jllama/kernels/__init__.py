@@ -10,6 +10,7 @@ about float32's bytes per second (int8: 231 tok/s) and float32 at least as fast 
 
   load()          build (once per machine, `jllama.kernels.library`) and register the handlers
   matvec(w, x)    one product inside a traced program: w f32/bf16[m, n] or `Int8Matrix`
+  attention(...)  one token's attention over a layer's cache blocks, positions 0 .. pos only
 
 Only for one CPU device: under tensor parallelism XLA's partitioner cannot split a custom
 call, so split programs keep `jnp.dot`; other platforms never lower these targets.
@@ -33,8 +34,10 @@ TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS[:3], strict=True))
 """The FFI handler for each weight dtype (int8: one scale per row)."""
 GROUPED_INT8 = SYMBOLS[3]
 """The handler for int8 with one scale per group of a row (`Int8Matrix.grouped`)."""
+ATTENTION = SYMBOLS[4]
+"""The handler for one token's attention over float32 cache blocks."""
 
-__all__ = ["MATVEC_MODES", "KernelBuildError", "load", "matvec"]
+__all__ = ["MATVEC_MODES", "KernelBuildError", "attention", "load", "matvec"]
 
 
 @functools.cache
@@ -86,3 +89,40 @@ def matvec(w, x: jax.Array) -> jax.Array:
     if name not in TARGETS or name == "int8":
         raise ValueError(f"matvec has no kernel for {name} weights")
     return jax.ffi.ffi_call(TARGETS[name], out)(w, x)
+
+
+def attention(
+    qg: jax.Array,
+    key_blocks,
+    value_blocks,
+    pos: jax.Array,
+    cur: jax.Array | None = None,
+    key_cur: jax.Array | None = None,
+    value_cur: jax.Array | None = None,
+) -> jax.Array:
+    """One token's attention over a layer's cache by jllama's CPU kernel, as llama2.c run.c:
+    for each query head, scores `q . k_t / sqrt(head_dim)` against its key head for t = 0 ..
+    pos only, softmax, and the weighted sum of the values. For tracing inside a jitted program
+    (call `load()` first).
+
+    Args:
+      qg: f32[n_kv_heads, kv_mul, head_dim], the queries after RoPE, grouped by key head.
+      key_blocks, value_blocks: the layer's first k cache blocks, each f32[n_kv_heads,
+        block_length, head_dim] (`jllama.graphs.attention`), positions 0 .. pos written.
+      pos: int32 scalar, 0 <= pos < k * block_length (checked by the kernel: an error at
+        run time, not a wrong read).
+      cur, key_cur, value_cur: optionally block `cur` (int32 scalar) given apart, as the
+        decode loop holds it; key_blocks[cur] and value_blocks[cur] are then not read.
+
+    Returns:
+      f32[n_kv_heads, kv_mul, head_dim]. Each head's sums run in a fixed order on one thread
+      (bits do not depend on the thread count); they differ from XLA's masked softmax by float
+      rounding only.
+    """
+    if cur is None:
+        cur, key_cur, value_cur = jnp.int32(-1), key_blocks[0], value_blocks[0]
+    out = jax.ShapeDtypeStruct(qg.shape, jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION, out)(
+        qg.astype(jnp.float32), jnp.asarray(pos, jnp.int32), jnp.asarray(cur, jnp.int32),
+        key_cur, value_cur, *key_blocks, *value_blocks,
+    )

@@ -8,11 +8,13 @@
 //                       scale: f32[m, G], groups of n / G weights (GGUF's Q8_0 / Q4_0: 32)
 //
 // x: f32[n], y: f32[m]; rows are "out x in" as in llama2.c run.c's matmul. Sums are f32 in
-// 64 interleaved partial sums per row (lane j sums the elements j, j + 64, j + 128, ...), then
-// the lanes as a fixed tree (`finish`), then the tail: a fixed order, so a product gives the
-// same bits every call and on every thread count (one thread computes each row). 64 lanes are
-// four AVX-512 registers: four independent multiply-add chains.
-//
+// 64 interleaved partial sums per row (lane j sums the elements j, j + 64, j + 128, ..., the
+// last partial block of a row included), then the lanes as a fixed tree (`finish`): a fixed
+// order, so a product gives the same bits every call and on every thread count (one thread
+// computes each row). 64 lanes are four AVX-512 registers: four independent multiply-add
+// chains; a row's last partial block is read with masked loads, so rows whose length is not a
+// multiple of 64 (stories15M's 288) have no scalar tail.
+
 // Why our own kernel: XLA CPU (JAX 0.10) widens int8/bf16 weights at ~1.6 G elements/s per
 // core inside its products, so narrow weights decoded slower than f32. These loops read int8
 // and bf16 at about the bytes/s of f32, and f32 at least as fast as XLA's dot (memory-bound;
@@ -24,6 +26,7 @@
 // running side by side on a pool of two threads cannot deadlock.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -44,6 +47,9 @@ using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
 using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
 using F32Vector = ffi::Buffer<ffi::F32, 1>;
 using F32Result = ffi::ResultBuffer<ffi::F32, 1>;
+using F32Heads = ffi::Buffer<ffi::F32, 3>;  // [n_kv_heads, positions or kv_mul, head_dim]
+using F32HeadsResult = ffi::ResultBuffer<ffi::F32, 3>;
+using S32Scalar = ffi::Buffer<ffi::S32, 0>;
 
 namespace {
 
@@ -64,10 +70,10 @@ inline float halve16(float* s) {
 // The 64 lanes as a tree: lane k with k + 16, k + 32, k + 48 as (a + b) + (c + d), then the
 // 16 partial sums halved: six additions deep, where a left-to-right sum would be 64 deep and
 // cost more than a short row's loads.
-inline float finish(const float* acc, float tail) {
+inline float finish(const float* acc) {
   float s[16];
   for (int k = 0; k < 16; ++k) s[k] = (acc[k] + acc[k + 16]) + (acc[k + 32] + acc[k + 48]);
-  return halve16(s) + tail;
+  return halve16(s);
 }
 
 // One weight as float32: exact for every stored type.
@@ -80,16 +86,31 @@ inline float widen(uint16_t h) {  // bfloat16: the upper half of a float32
   return f;
 }
 
-#if defined(__AVX512F__)
-// 16 consecutive weights from w as one register of float32.
-inline __m512 widen16(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 widen16(const uint16_t* w) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define JLLAMA_AVX512 1
+// The weights w[j] for the set bits j of `keep` (16 consecutive weights when all are set) as
+// one register of float32; the others are zero and are not read.
+inline __m512 widen16(const float* w, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, w); }
+inline __m512 widen16(const uint16_t* w, __mmask16 keep) {
+  __m256i h = _mm256_maskz_loadu_epi16(keep, w);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-inline __m512 widen16(const int8_t* w) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+inline __m512 widen16(const int8_t* w, __mmask16 keep) {
+  __m128i b = _mm_maskz_loadu_epi8(keep, w);
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+template <typename T>
+inline __m512 widen16(const T* w) { return widen16(w, static_cast<__mmask16>(0xFFFF)); }
+
+// halve16 on one register: the same tree (k with k + 8, + 4, + 2, + 1) with shuffles, not
+// sixteen stores and loads.
+inline float halve16(__m512 v) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
 }
 #endif
 
@@ -97,28 +118,29 @@ inline __m512 widen16(const int8_t* w) {
 template <typename T>
 inline float dot(const T* w, const float* x, int64_t n) {
   int64_t i = 0;
-  float acc[kLanes] = {0};
-#if defined(__AVX512F__)
+#if JLLAMA_AVX512
   // Four 16-float registers are the 64 lanes.
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                 _mm512_setzero_ps()};
   for (; i + kLanes <= n; i += kLanes) {
-    a0 = _mm512_fmadd_ps(widen16(w + i), _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(widen16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-    a2 = _mm512_fmadd_ps(widen16(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-    a3 = _mm512_fmadd_ps(widen16(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+    a[0] = _mm512_fmadd_ps(widen16(w + i), _mm512_loadu_ps(x + i), a[0]);
+    a[1] = _mm512_fmadd_ps(widen16(w + i + 16), _mm512_loadu_ps(x + i + 16), a[1]);
+    a[2] = _mm512_fmadd_ps(widen16(w + i + 32), _mm512_loadu_ps(x + i + 32), a[2]);
+    a[3] = _mm512_fmadd_ps(widen16(w + i + 48), _mm512_loadu_ps(x + i + 48), a[3]);
   }
-  _mm512_storeu_ps(acc, a0);
-  _mm512_storeu_ps(acc + 16, a1);
-  _mm512_storeu_ps(acc + 32, a2);
-  _mm512_storeu_ps(acc + 48, a3);
+  // The last partial block: lanes past the row's end add 0 * 0.
+  for (int r = 0; i < n; ++r, i += 16) {
+    __mmask16 keep = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    a[r] = _mm512_fmadd_ps(widen16(w + i, keep), _mm512_maskz_loadu_ps(keep, x + i), a[r]);
+  }
+  return halve16(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 #else
+  float acc[kLanes] = {0};
   for (; i + kLanes <= n; i += kLanes)
     for (int j = 0; j < kLanes; ++j) acc[j] += widen(w[i + j]) * x[i + j];
+  for (int j = 0; i + j < n; ++j) acc[j] += widen(w[i + j]) * x[i + j];
+  return finish(acc);
 #endif
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += widen(w[i]) * x[i];
-  return finish(acc, tail);
 }
 
 // The rows [begin, end) of one product. A std::function would allocate per call; a plain
@@ -145,7 +167,7 @@ inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x
                              int64_t size) {
   float acc[16] = {0};
   int64_t k = 0;
-#if defined(__AVX512F__)
+#if JLLAMA_AVX512
   if (size % 16 == 0) {
     __m512 a = _mm512_setzero_ps();
     for (int64_t g = 0; g < n; g += size, ++k) {
@@ -154,8 +176,7 @@ inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x
         part = _mm512_fmadd_ps(widen16(q + i), _mm512_loadu_ps(x + i), part);
       a = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[k]), a);
     }
-    _mm512_storeu_ps(acc, a);
-    k = n / size;  // all groups done
+    return halve16(a);
   }
 #endif
   for (int64_t g = k * size; g < n; g += size, ++k) {
@@ -261,6 +282,151 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q,
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Attention of one token over a layer's cache (decode), as llama2.c run.c: for each query head
+// h, scores q_h . k_t / sqrt(head_dim) against key head h / kv_mul for t = 0 .. pos, softmax,
+// and the weighted sum of the values. XLA's version multiplies q by whole 256-position blocks
+// and masks the unused positions; this one reads only positions 0 .. pos and is one call per
+// layer in place of about fifteen small programs (bench/NOTES.md).
+
+// exp(x) for x <= 0 (scores minus their maximum) to about 1 ulp: x = n ln2 + r with |r| <=
+// ln2 / 2, exp(r) as its Taylor polynomial of degree 7 (error < 5e-9), times 2^n.
+#if JLLAMA_AVX512
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below: exp underflows to 0 anyway
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high part
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // and the rest
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// One layer's cache as blocks of `block` positions: block b is blocks[b], except block `cur`,
+// which is given apart (the decode loop writes it in the same program).
+struct Cache {
+  const float* const* blocks;  // [n_blocks] of f32[n_kv_heads, block, head_dim]
+  const float* current;
+  int64_t cur, block;
+
+  const float* row(int64_t t, int64_t g, int64_t head_dim) const {
+    int64_t b = t / block;
+    const float* base = b == cur ? current : blocks[b];
+    return base + (g * block + t % block) * head_dim;
+  }
+};
+
+struct Attention {
+  const float* q;  // [n_kv_heads, kv_mul, head_dim]
+  float* out;      // the same shape
+  Cache keys, values;
+  int64_t n_kv, kv_mul, head_dim, pos;
+};
+
+// sum_d a[d] * b[d] in 16 lanes then the tree of halve16 (a fixed order).
+inline float dot_head(const float* a, const float* b, int64_t n) {
+#if JLLAMA_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16) {
+    __mmask16 keep = n - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - d)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, a + d), _mm512_maskz_loadu_ps(keep, b + d),
+                          acc);
+  }
+  return halve16(acc);
+#else
+  float acc[16] = {0};
+  for (int64_t d = 0; d < n; ++d) acc[d % 16] += a[d] * b[d];
+  return halve16(acc);
+#endif
+}
+
+// The query heads of key heads [begin, end): one thread per key head, so the result does not
+// depend on the thread count.
+void attention_heads(const Product& p, int64_t begin, int64_t end) {
+  const Attention& a = *static_cast<const Attention*>(p.w);
+  const int64_t len = a.pos + 1, hd = a.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  std::unique_ptr<float[]> scores(new float[len]);
+  for (int64_t g = begin; g < end; ++g) {
+    for (int64_t m = 0; m < a.kv_mul; ++m) {
+      const float* q = a.q + (g * a.kv_mul + m) * hd;
+      float* out = a.out + (g * a.kv_mul + m) * hd;
+      float top = -INFINITY;
+      for (int64_t t = 0; t < len; ++t) {
+        scores[t] = dot_head(q, a.keys.row(t, g, hd), hd) * scale;
+        top = std::max(top, scores[t]);
+      }
+      // exp(s - top), summed in 16 lanes then halve16.
+      float lanes[16] = {0};
+      int64_t t = 0;
+#if JLLAMA_AVX512
+      __m512 sum = _mm512_setzero_ps();
+      for (; t + 16 <= len; t += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(&scores[t]), _mm512_set1_ps(top)));
+        _mm512_storeu_ps(&scores[t], e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      _mm512_storeu_ps(lanes, sum);
+#endif
+      for (; t < len; ++t) {
+        scores[t] = std::exp(scores[t] - top);
+        lanes[t % 16] += scores[t];
+      }
+      const float inv = 1.0f / halve16(lanes);
+      std::memset(out, 0, sizeof(float) * hd);
+      for (t = 0; t < len; ++t) {
+        const float w = scores[t] * inv;
+        const float* v = a.values.row(t, g, hd);
+        for (int64_t d = 0; d < hd; ++d) out[d] += w * v[d];
+      }
+    }
+  }
+}
+
+bool same(const ffi::AnyBuffer::Dimensions& a, const ffi::AnyBuffer::Dimensions& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end());
+}
+
+ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
+                        S32Scalar pos, S32Scalar cur,
+                        F32Heads key_cur, F32Heads value_cur,
+                        ffi::RemainingArgs blocks, F32HeadsResult out) {
+  const auto qd = q.dimensions(), cd = key_cur.dimensions();
+  const int64_t n_kv = qd[0], kv_mul = qd[1], hd = qd[2], block = cd[1];
+  if (cd[0] != n_kv || cd[2] != hd || !same(value_cur.dimensions(), cd) ||
+      !same(out->dimensions(), qd) || blocks.size() % 2 != 0 || blocks.size() == 0)
+    return ffi::Error::InvalidArgument(
+        "jllama attention: q[g, m, d], caches [g, B, d] and an even number of blocks");
+  const int64_t n = static_cast<int64_t>(blocks.size() / 2);
+  std::unique_ptr<const float*[]> ptrs(new const float*[2 * n]);
+  for (int64_t i = 0; i < 2 * n; ++i) {
+    auto b = blocks.get<F32Heads>(i);
+    if (b.has_error()) return b.error();
+    if (!same(b->dimensions(), cd))
+      return ffi::Error::InvalidArgument("jllama attention: blocks must match key_cur's shape");
+    ptrs[i] = b->typed_data();
+  }
+  const int64_t p = *pos.typed_data();
+  if (p < 0 || p >= n * block)
+    return ffi::Error::InvalidArgument("jllama attention: pos outside the blocks given");
+  Attention a{q.typed_data(), out->typed_data(),
+              Cache{ptrs.get(), key_cur.typed_data(), *cur.typed_data(), block},
+              Cache{ptrs.get() + n, value_cur.typed_data(), *cur.typed_data(), block},
+              n_kv, kv_mul, hd, p};
+  // One "row" per key head; its work is the positions' keys and values it reads.
+  run(pool, Product{attention_heads, &a, nullptr, nullptr, nullptr, 2 * (p + 1) * hd}, n_kv);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_f32, MatvecF32,
@@ -305,3 +471,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8, MatvecInt8,
                                   .Arg<F32Vector>()
                                   .Arg<F32Vector>()
                                   .Ret<F32Vector>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_attention_f32, AttentionF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Heads>()
+                                  .Arg<S32Scalar>()
+                                  .Arg<S32Scalar>()
+                                  .Arg<F32Heads>()
+                                  .Arg<F32Heads>()
+                                  .RemainingArgs()
+                                  .Ret<F32Heads>());
