@@ -6,6 +6,7 @@ Presets live in `configs/` and are passed with `--flagfile`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -667,10 +668,16 @@ def _chat(model, backend, sampler, decode_loop=None) -> int:
         )
     except ChatError as e:
         raise ChatError(f"{model.source}: {e}") from None
+    compile_for = None
+    if hasattr(backend, "compile_for"):
+        compile_for = functools.partial(
+            backend.compile_for, kind=getattr(decode_loop, "kind", None),
+            chunked=_prefill_of(backend) is not None,
+        )
     conversation = Conversation(
         backend.forward, tokenizer, template, model.config.seq_len,
         system_prompt=FLAGS.system_prompt or None, prefill=_prefill_of(backend),
-        decode_loop=decode_loop,
+        decode_loop=decode_loop, compile_for=compile_for,
     )
     interactive = sys.stdin.isatty()
     if interactive:

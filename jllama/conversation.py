@@ -72,6 +72,11 @@ class Conversation:
         each turn's new tokens.
       decode_loop: optional on-device decode loop for each reply (`Generation`'s argument; it
         must sample as the `sample` given to `say`, e.g. `jllama.device_loop.loop_decoder`).
+      compile_for: optional `compile_for(prompt_len, last, start=...)`, called before each
+        turn with the turn's new tokens, its last position and its first new position (e.g.
+        `JaxGraphBackend.compile_for` with the loop's `kind`): the programs the turn needs
+        compile before it starts, not in the middle of the reply. It must leave positions <
+        start as they are.
 
     Attributes:
       messages: the conversation so far, as {"role", "content"} dicts.
@@ -80,10 +85,12 @@ class Conversation:
     """
 
     def __init__(self, forward: Forward, tokenizer, template, seq_len: int,
-                 system_prompt: str | None = None, prefill=None, decode_loop=None):
+                 system_prompt: str | None = None, prefill=None, decode_loop=None,
+                 compile_for=None):
         self._forward = forward
         self._prefill = prefill
         self._decode_loop = decode_loop
+        self._compile_for = compile_for
         self.tokenizer = tokenizer
         self.template = template
         self.seq_len = seq_len
@@ -133,6 +140,8 @@ class Conversation:
         room = self.seq_len - reused
         fed = len(ids) - reused
         steps = room if max_tokens < 1 else min(room, fed + max_tokens - 1)
+        if self._compile_for is not None:
+            self._compile_for(fed, reused + steps - 1, start=reused)
         generation = Generation(
             self._forward, ids[reused:], sample, steps,
             stop_ids=tuple(self.tokenizer.stop_ids), start_pos=reused, prefill=self._prefill,

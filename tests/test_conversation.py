@@ -110,3 +110,34 @@ def test_full_context_is_reported_not_overrun(smollm2_gguf):
     assert len(chat.cached_ids) == 48
     with pytest.raises(ContextFullError, match="48"):
         list(chat.say("Another one, please, a long one this time.", GREEDY))
+
+
+def test_each_turn_compiles_before_it_starts_and_the_replies_do_not_change(smollm2_512):
+    """With the backend's compile_for, each turn runs it for its new tokens (from the turn's
+    first new position) and its last position; the replies equal those of a conversation
+    without it (compile_for keeps the earlier turns' positions)."""
+    model = smollm2_512
+    replies = {}
+    for warm in (False, True):
+        b = make_backend("jax")
+        b.prepare(model.config, model.weights)
+        calls = []
+
+        def compile_for(prompt_len, last, start, b=b, calls=calls):
+            calls.append((prompt_len, last, start))
+            return b.compile_for(prompt_len, last, start=start)
+
+        chat = Conversation(b.forward, model.tokenizer, ChatTemplate(model.chat_template),
+                            model.config.seq_len, system_prompt=SYSTEM, prefill=b.prefill,
+                            compile_for=compile_for if warm else None)
+        out = []
+        for question in ("What is the capital of France?", "And of Italy?"):
+            out.append([t.id for t in chat.say(question, GREEDY, max_tokens=24)])
+            turn = chat.last
+            if warm:
+                fed = len(turn.prompt_ids) - turn.reused
+                assert turn.prefilled == fed
+                assert calls[-1] == (fed, turn.reused + fed + 24 - 2, turn.reused)
+        replies[warm] = out
+        assert len(calls) == (2 if warm else 0)
+    assert replies[True] == replies[False] and all(replies[True])

@@ -194,3 +194,46 @@ def test_compile_for_leaves_nothing_to_compile_and_changes_no_token(gqa, decode,
     assert cold_compiled, "the cold run should compile the windows it grows into"
     assert warm_compiled == []
     assert warm_ids == cold_ids and len(warm_ids) == steps
+
+
+@pytest.mark.parametrize("decode", ["graph", "loop"])
+def test_compile_for_a_later_turn_keeps_the_earlier_positions(gqa, decode):
+    """A conversation's second turn (as `Conversation.say`: start_pos after the kept context)
+    crosses into the 512-position window. `compile_for(..., start=...)` before it leaves
+    nothing to compile in the turn and the same tokens as a backend that compiled as it went:
+    the programs it runs write only positions >= start, which the turn writes again."""
+    from jllama.device_loop import loop_decoder
+
+    config, weights = gqa
+    rng = np.random.default_rng(8)
+    first = [int(t) for t in rng.integers(0, 300, 200)]
+    second = [int(t) for t in rng.integers(0, 300, 150)]
+
+    def converse(warm: bool):
+        jax.clear_caches()
+        b = make_backend("jax", decode=decode)
+        b.prepare(config, weights)
+        sampler = Sampler(0.0)
+        loop = loop_decoder(b, sampler, ()) if decode == "loop" else None
+        kind = getattr(loop, "kind", None)
+        if warm:
+            b.compile_for(len(first), 239, kind)
+        one = Generation(b.forward, first, sampler, steps=240, stop_ids=(), prefill=b.prefill,
+                         decode_loop=loop)
+        ids = [t.id for t in one]
+        context = (first + ids)[:one.end_pos]
+        start, steps = len(context), 560 - len(context)  # positions up to 559
+        if warm:
+            b.compile_for(len(second), start + steps - 1, kind, start=start)
+        with _compiles() as compiled:
+            two = Generation(b.forward, second, sampler, steps=steps, stop_ids=(),
+                             start_pos=start, prefill=b.prefill, decode_loop=loop,
+                             context_ids=context)
+            ids += [t.id for t in two]
+        return ids, compiled
+
+    cold_ids, cold_compiled = converse(warm=False)
+    warm_ids, warm_compiled = converse(warm=True)
+    assert cold_compiled, "the cold second turn should compile the window it grows into"
+    assert warm_compiled == []
+    assert warm_ids == cold_ids

@@ -14,6 +14,7 @@ its KV heads' caches; `jllama.graphs.sharded`: the programs with their output la
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -180,6 +181,9 @@ class JaxGraphBackend:
         # position 0 is rewritten by the first real step and later positions are masked.
         self.forward(0, 0)
         self.compile_seconds = time.perf_counter() - start
+        # What compile_for need not run again: ("forward", k), ("loop", kind, k) and
+        # ("prefill", size, k) for k cache blocks read.
+        self._compiled = {("forward", graphs.attention_blocks(config.seq_len, 0))}
 
     def _resolve_matvec(self, requested: str) -> str:
         """"xla" or "kernel" for `requested`, building the kernels when they may be used."""
@@ -389,46 +393,49 @@ class JaxGraphBackend:
         added to `compile_seconds`). Longer windows compile when the context reaches them."""
         start = time.perf_counter()
         self.decode_loop(0, 0, 1, kind=kind, coins=[0.0])
+        self._compiled.add(("loop", kind, graphs.attention_blocks(self.config.seq_len, 0)))
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         return seconds
 
     def compile_for(
-        self, prompt_len: int, last: int, kind: str | None = None, chunked: bool = True
+        self, prompt_len: int, last: int, kind: str | None = None, chunked: bool = True,
+        start: int = 0,
     ) -> float:
-        """Compile, before a generation, the programs it will need beyond what `prepare`
-        compiled: the prefill chunk programs of a prompt of `prompt_len` tokens (one chunk of
-        each size and window it will use; with chunked=False the prompt goes through `forward`
-        instead) and the decode programs of every attention window that the positions up to
-        `last` grow into (`forward`; with `kind`, one of `graphs.SAMPLING_KINDS`, `decode_loop`
-        for the positions after the prompt). Without it these compile inside the first
-        prefill and in the middle of decoding (about 1.5 s for SmolLM2's loop program at each
-        new window), and the rates printed count the compiles.
+        """Compile, before a generation, the programs it will need that are not compiled yet:
+        the prefill chunk programs of `prompt_len` prompt tokens fed from position `start`
+        (one chunk of each size and window it will use; with chunked=False the prompt goes
+        through `forward` instead) and the decode programs of every attention window that the
+        positions up to `last` grow into (`forward`; with `kind`, one of
+        `graphs.SAMPLING_KINDS`, `decode_loop` for the positions after the prompt). Without it
+        these compile inside the first prefill and in the middle of decoding (about 1.5 s for
+        SmolLM2's loop program at each new window), and the rates printed count the compiles.
 
-        Runs each program once on token 0 at a position it will serve. Call it before a
-        sequence starts: every position it writes is written again before anything reads it.
-        Returns the seconds it took (also added to `compile_seconds`)."""
+        Runs each program not run by `prepare`, `compile_loop` or an earlier `compile_for` once
+        on token 0 at a position >= start it will serve: it writes only positions that the
+        generation writes again before anything reads them, so a conversation can call it
+        before each turn with `start` at the turn's first new position (positions < start
+        keep their keys and values). Returns the seconds it took (also added to
+        `compile_seconds`)."""
         config = self.config
         if config is None:
             raise RuntimeError("JaxGraphBackend.compile_for called before prepare")
-        start = time.perf_counter()
-        seen = set()
-        for pos, size in self._prefill_plan(0, min(prompt_len, config.seq_len) * chunked):
-            key = (size, graphs.attention_blocks(config.seq_len, pos + max(size, 1) - 1))
-            if size and key not in seen:
-                seen.add(key)
+        began = time.perf_counter()
+        blocks = functools.partial(graphs.attention_blocks, config.seq_len)
+        end = min(start + prompt_len, config.seq_len)
+        for pos, size in self._prefill_plan(start, (end - start) * chunked):
+            key = ("prefill", size, blocks(pos + max(size, 1) - 1))
+            if size and key not in self._compiled:
+                self._compiled.add(key)
                 self._prefill_chunk([0] * size, pos)
-        compiled = {graphs.attention_blocks(config.seq_len, 0)}  # by prepare (and compile_loop)
-        forwards, loops = set(compiled), set(compiled)
-        for pos in range(0 if not chunked else prompt_len, min(last, config.seq_len - 1) + 1):
-            k = graphs.attention_blocks(config.seq_len, pos)
-            if k not in forwards:
-                forwards.add(k)
+        for pos in range(end if chunked else start, min(last, config.seq_len - 1) + 1):
+            if ("forward", blocks(pos)) not in self._compiled:
+                self._compiled.add(("forward", blocks(pos)))
                 self.forward(0, pos)
-            if kind is not None and pos >= prompt_len and k not in loops:
-                loops.add(k)
+            if kind is not None and pos >= end and ("loop", kind, blocks(pos)) not in self._compiled:
+                self._compiled.add(("loop", kind, blocks(pos)))
                 self.decode_loop(0, pos, 1, kind=kind, coins=[0.0])
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - began
         self.compile_seconds += seconds
         return seconds
 

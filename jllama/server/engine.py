@@ -227,6 +227,10 @@ class Engine:
         # steps counts positions from 0; the last sampled token is never fed back, hence - 1.
         room = seq_len
         steps = room if job.max_tokens is None else min(room, len(prompt) + job.max_tokens - 1)
+        if hasattr(self.backend, "compile_for"):
+            # Each program this request needs and no earlier one compiled, now rather than in
+            # the middle of its stream (a no-op once they all are).
+            self.backend.compile_for(len(prompt), steps - 1, chunked=self._prefill is not None)
         generation = Generation(
             self.backend.forward, prompt, recorder, steps,
             stop_ids=tuple(tokenizer.stop_ids), prefill=self._prefill,
