@@ -388,7 +388,33 @@ def test_a_failing_compiler_is_one_line_and_leaves_no_file(tmp_path, monkeypatch
                        ".*false failed: exit status 1, no message$") as info:
         library.build()
     assert "\n" not in str(info.value)
-    assert list((tmp_path / "kernels").iterdir()) == []
+    # No library; the failure is remembered beside where it would be.
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".failed"]
+
+
+def test_a_failed_build_is_remembered_until_its_file_is_deleted(tmp_path, monkeypatch):
+    """A compiler that fails (or hangs until the timeout) is not run again on every start:
+    the next build fails at once with the same message and says how to retry."""
+    runs = tmp_path / "runs"
+    fake = tmp_path / "fake-c++"
+    fake.write_text(f"#!/bin/sh\necho run >> {runs}\necho 'x.cc:1: error: no luck' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(library.KernelBuildError, match="failed: x.cc:1: error: no luck$"):
+        library.build()
+    assert library.is_built()  # build() would return at once: the CLI says no "building"
+    with pytest.raises(library.KernelBuildError,
+                       match="failed: x.cc:1: error: no luck \\(remembered from an earlier "
+                             "build; delete .*\\.failed to try again\\)$") as info:
+        library.build()
+    assert "\n" not in str(info.value)
+    assert runs.read_text().count("run") == 1  # the compiler ran once
+    memo = library.failure_path(library.library_path(library.compiler()))
+    memo.unlink()
+    with pytest.raises(library.KernelBuildError, match="no luck$"):
+        library.build()
+    assert runs.read_text().count("run") == 2
 
 
 def _cli(args, env_extra, tmp_path):

@@ -91,10 +91,19 @@ def library_path(cxx: list[str], march: str | None = None) -> Path:
     return jllama_home() / "kernels" / f"matvec-{key.hexdigest()[:16]}.so"
 
 
+def failure_path(library: Path) -> Path:
+    """Where a failed build of `library` is remembered: its error message, one line."""
+    return library.with_suffix(".failed")
+
+
 def is_built() -> bool:
-    """Whether `build` would find a library already (and not compile)."""
+    """Whether `build` would return at once: a library already built, or a failure already
+    remembered for this source, compiler and flags (and not compile)."""
     cxx = compiler()
-    return cxx is not None and library_path(cxx).exists()
+    if cxx is None:
+        return False
+    target = library_path(cxx)
+    return target.exists() or failure_path(target).exists()
 
 
 def check_library(path: str | os.PathLike) -> ctypes.CDLL:
@@ -168,12 +177,16 @@ def _compile(cmd: list[str], output: str) -> tuple[int, str]:
 
 def build(march: str | None = None) -> Path:
     """The built library's path, compiling it first if this machine has none yet. A library is
-    cached only once it loads and has every handler. march: see `flags`.
+    cached only once it loads and has every handler. A failed compile (or one that timed out,
+    or built no usable library) is remembered next to where the library would be
+    (`failure_path`), so later runs fail at once with the same message instead of compiling
+    again (a hanging compiler would cost BUILD_TIMEOUT_S every run); deleting that file
+    retries. march: see `flags`.
 
     Raises:
       KernelBuildError: no C++ compiler, the cache folder cannot be written, the compile
         failed or timed out (the compiler's first error line is quoted), or what it built
-        is not a usable library.
+        is not a usable library, now or in a remembered earlier build.
     """
     cxx = compiler()
     if cxx is None:
@@ -184,6 +197,14 @@ def build(march: str | None = None) -> Path:
     target = library_path(cxx, march)
     if target.exists():
         return target
+    failed = failure_path(target)
+    try:
+        remembered = failed.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        remembered = None
+    if remembered:
+        raise KernelBuildError(f"{remembered} (remembered from an earlier build; delete "
+                               f"{failed} to try again)")
     import jax
 
     try:
@@ -196,6 +217,29 @@ def build(march: str | None = None) -> Path:
             f"cannot write jllama's CPU kernels into {target.parent}: {e.strerror or e}"
         ) from None
     cmd = [*cxx, *flags(march), "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    try:
+        return _build(cmd, cxx, tmp, target)
+    except KernelBuildError as e:
+        _remember(failed, str(e))
+        raise
+
+
+def _remember(failed: Path, message: str) -> None:
+    """Write `message` to `failed` whole or not at all (a half-written file would be read as
+    a failure); a folder that cannot be written just means the next run compiles again."""
+    partial = None
+    try:
+        fd, partial = tempfile.mkstemp(suffix=".failed", dir=failed.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(message + "\n")
+        os.replace(partial, failed)
+    except OSError:
+        if partial is not None and os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _build(cmd: list[str], cxx: list[str], tmp: str, target: Path) -> Path:
+    """Compile with `cmd` into `tmp`, check it and move it to `target`; see `build`."""
     named = " ".join(cxx)
     try:
         status, err = _compile(cmd, tmp)
