@@ -364,7 +364,8 @@ def test_a_library_without_the_handlers_is_refused_and_not_cached(tmp_path, monk
     monkeypatch.setenv("CXX", "true")
     with pytest.raises(library.KernelBuildError, match="made no usable library: file too short"):
         library.build()
-    assert list((tmp_path / "kernels").iterdir()) == []
+    # No library cached, only the remembered failure.
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".failed"]
     broken = tmp_path / "broken.so"
     broken.write_bytes(b"")
     with pytest.raises(library.KernelBuildError, match="broken.so is not a usable kernel library"):
