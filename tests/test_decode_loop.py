@@ -177,3 +177,24 @@ def test_vanishing_temperature_shares_the_mass_among_the_maxima():
     host = [Sampler(temperature=1e-45, top_p=1.0, seed=1) for _ in range(2)]
     assert int(sample(logits, "mult", t, one, host[0].rng.random_f32())) == host[1].sample(
         np.asarray(logits))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_loop_samples_the_host_samplers_tokens_over_a_large_vocabulary(top_p):
+    """49152 tokens (SmolLM2's vocabulary) and near-flat logits: probability boundaries lie
+    ~2e-5 apart, so a cumulative sum off in the 5th digit (XLA's tree-shaped cumsum was, by up
+    to 1e-4) draws another token within a few steps. The loop's kernel sampler does the host
+    sampler's sums in its order: the loop gives the graph mode's (host-sampled) tokens."""
+    config = ModelConfig(dim=32, hidden_dim=48, n_layers=1, n_heads=4, n_kv_heads=2,
+                         vocab_size=49152, seq_len=80, shared_weights=False)
+    weights = random_weights(config, seed=6, scale=0.2)
+    results = []
+    for mode in ("graph", "loop"):
+        b = make_backend("jax", decode=mode, matvec="kernel")
+        b.prepare(config, weights)
+        sampler = Sampler(0.9, top_p=top_p, seed=7)
+        loop = loop_decoder(b, sampler, ()) if mode == "loop" else None
+        gen = Generation(b.forward, [5, 6], sampler, steps=64, stop_ids=(), decode_loop=loop)
+        results.append([t.id for t in gen])
+    assert len(results[0]) == 64 and len(set(results[0])) > 20  # a varied draw, not argmax
+    assert results[0] == results[1]

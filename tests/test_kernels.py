@@ -252,6 +252,49 @@ def test_kernel_decode_crosses_cache_blocks_like_the_full_sequence_forward():
                                rtol=0)
 
 
+_sample = jax.jit(kernels.sample)
+
+
+def _host_draw(logits, temperature, top_p, coin) -> int:
+    """The host sampler's token for this coin (`Sampler.sample` draws its coin from its own
+    generator: replace it with one that returns `coin`)."""
+    sampler = Sampler(temperature, top_p=top_p, seed=1)
+    sampler.rng = type("Coin", (), {"random_f32": staticmethod(lambda: np.float32(coin))})()
+    return sampler.sample(logits)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 512, 32000, 49152])
+def test_sample_draws_the_host_samplers_token(n):
+    """Random logits of several spreads, temperatures and top_p values, many coins: the kernel
+    returns `jllama.sampling.Sampler`'s token (run.c's arithmetic) every time."""
+    rng = np.random.default_rng(n)
+    for trial in range(12):
+        logits = (rng.standard_normal(n) * [0.3, 2.0, 8.0][trial % 3]).astype(np.float32)
+        if trial % 4 == 3:
+            logits[rng.integers(0, n, 3)] = logits.max()  # ties for the maximum
+        for temperature, top_p in [(0.8, 1.0), (1.0, 0.9), (0.3, 0.5), (1.7, 0.99), (1.0, 0.0)]:
+            coins = rng.random(6, dtype=np.float32)
+            for coin in [*coins, np.float32(0.0), np.float32(1 - 2**-24)]:
+                want = _host_draw(logits, temperature, top_p, coin)
+                assert int(_sample(logits, temperature, top_p, coin)) == want, (trial, coin)
+
+
+def test_sample_edge_cases_by_hand():
+    logits = np.log(np.array([0.1, 0.2, 0.3, 0.4], np.float32))
+    # sample_mult: the cdf is 0.1, 0.3, 0.6, 1.0; the first entry above the coin.
+    for coin, want in [(0.0, 0), (0.05, 0), (0.1001, 1), (0.59, 2), (0.61, 3), (0.9999, 3)]:
+        assert int(_sample(logits, 1.0, 1.0, coin)) == want
+    # top_p 0.5: candidates sorted 0.4, 0.3 (0.7 > 0.5 ends the nucleus); r = coin * 0.7.
+    assert int(_sample(logits, 1.0, 0.5, 0.5)) == 3  # r = 0.35 < 0.4
+    assert int(_sample(logits, 1.0, 0.5, 0.6)) == 2  # r = 0.42 >= 0.4
+    # top_p so small that no token passes the cutoff (1 - p) / (n - 1): the most likely one.
+    assert int(_sample(logits, 1.0, 1e-9, 0.99)) == 3
+    # A vanishing temperature: the maxima share the mass (first half to the first maximum).
+    tied = np.array([0.0, 3.0, 1.0, 3.0], np.float32)
+    assert int(_sample(tied, 1e-45, 1.0, 0.25)) == 1
+    assert int(_sample(tied, 1e-45, 1.0, 0.75)) == 3
+
+
 def _decode_logits(config, weights, tokens, **options):
     b = make_backend("jax", **options)
     b.prepare(config, weights)

@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jllama import kernels
 from jllama.config import ModelConfig
 from jllama.graphs.attention import attend_current
 from jllama.graphs.block import block
@@ -46,7 +47,8 @@ def first_max(x: jax.Array) -> jax.Array:
 
 
 def sample_on_device(
-    logits: jax.Array, kind: str, temperature: jax.Array, top_p: jax.Array, coin: jax.Array
+    logits: jax.Array, kind: str, temperature: jax.Array, top_p: jax.Array, coin: jax.Array,
+    matvec: str = "xla",
 ) -> jax.Array:
     """The next token from `logits: f32[vocab_size]`, as `jllama.sampling.Sampler` (run.c's
     `sample`), traced.
@@ -58,13 +60,18 @@ def sample_on_device(
     whose cumulative sum exceeds top_p, then the first kept one whose cumulative sum exceeds
     `coin * kept mass`. temperature, top_p, coin: f32 scalars.
 
-    Returns an int32 scalar. The sums run in XLA's order (its cumulative sums are trees, not
-    run.c's left-to-right loop) and `exp` is XLA's, so a draw can differ from the host
-    sampler's where the coin lands within about 1e-7 of a probability boundary; argmax is
-    exact.
+    Returns an int32 scalar. With matvec="kernel" (static) "mult" and "topp" run in jllama's
+    CPU kernel (`jllama.kernels.sample`), which does the host sampler's arithmetic in its
+    order: the same token for the same logits and coin. Otherwise the sums run in XLA's order
+    (its cumulative sums are trees, not run.c's left-to-right loop: over SmolLM2's 49152
+    tokens they were off by up to 1e-4) and `exp` is XLA's, so a draw can differ from the
+    host sampler's where the coin lands near a probability boundary (measured: one SmolLM2
+    draw in ~40). argmax is exact either way.
     """
     if kind == "greedy":
         return first_max(logits)
+    if matvec == "kernel" and kind in ("mult", "topp"):
+        return kernels.sample(logits, temperature, 1.0 if kind == "mult" else top_p, coin)
     scaled = logits / temperature
     # As `Sampler.sample`: a temperature so small that the division overflows is the limit of
     # a vanishing temperature (the most likely tokens share the mass). XLA CPU flushes a
@@ -198,7 +205,7 @@ def decode_loop(
         x, kcs, vcs = layer_pass(_embedding_row(embedding, tok), p, kcs, vcs)
         logits = classifier.__wrapped__(c, x, rms_final_weight, wcls, matvec=matvec)
         finite = jnp.all(jnp.isfinite(logits))
-        nxt = sample_on_device(logits, kind, temperature, top_p, coins[i])
+        nxt = sample_on_device(logits, kind, temperature, top_p, coins[i], matvec)
         # Non-finite logits record nothing and stop: the host reports them.
         out = jnp.where(finite, out.at[i].set(nxt), out)
         stopped = ~finite | jnp.any(nxt == stop_ids)

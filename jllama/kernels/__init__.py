@@ -11,6 +11,7 @@ about float32's bytes per second (int8: 231 tok/s) and float32 at least as fast 
   load()          build (once per machine, `jllama.kernels.library`) and register the handlers
   matvec(w, x)    one product inside a traced program: w f32/bf16[m, n] or `Int8Matrix`
   attention(...)  one token's attention over a layer's cache blocks, positions 0 .. pos only
+  sample(...)     one token drawn as run.c's sampler (and the host's `Sampler`), bit for bit
 
 Only for one CPU device: under tensor parallelism XLA's partitioner cannot split a custom
 call, so split programs keep `jnp.dot`; other platforms never lower these targets.
@@ -36,8 +37,10 @@ GROUPED_INT8 = SYMBOLS[3]
 """The handler for int8 with one scale per group of a row (`Int8Matrix.grouped`)."""
 ATTENTION = SYMBOLS[4]
 """The handler for one token's attention over float32 cache blocks."""
+SAMPLE = SYMBOLS[5]
+"""The handler for drawing one token from logits as run.c's sampler."""
 
-__all__ = ["MATVEC_MODES", "KernelBuildError", "attention", "load", "matvec"]
+__all__ = ["MATVEC_MODES", "KernelBuildError", "attention", "load", "matvec", "sample"]
 
 
 @functools.cache
@@ -125,4 +128,28 @@ def attention(
     return jax.ffi.ffi_call(ATTENTION, out)(
         qg.astype(jnp.float32), jnp.asarray(pos, jnp.int32), jnp.asarray(cur, jnp.int32),
         key_cur, value_cur, *key_blocks, *value_blocks,
+    )
+
+
+def sample(logits: jax.Array, temperature, top_p, coin) -> jax.Array:
+    """One token drawn from `logits` as llama2.c run.c's `sample` with temperature > 0, by
+    jllama's CPU kernel: the same arithmetic as `jllama.sampling.Sampler` in the same order
+    (logits / temperature in float32, softmax with exp correctly rounded to float32, sequential
+    float32 sums, `sample_mult`, or `sample_topp` when 0 < top_p < 1), so for the same logits
+    and coin it returns the host sampler's token. For tracing inside a jitted program (call
+    `load()` first).
+
+    Args:
+      logits: f32[vocab_size].
+      temperature: f32 scalar > 0 (a vanishing one shares the mass among the maxima, as
+        `Sampler`).
+      top_p: f32 scalar; <= 0 or >= 1 samples from the whole distribution.
+      coin: f32 scalar in [0, 1), e.g. `XorShiftRng.random_f32()`.
+
+    Returns:
+      int32 scalar, the token id.
+    """
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    return jax.ffi.ffi_call(SAMPLE, jax.ShapeDtypeStruct((), jnp.int32))(
+        f32(logits), f32(temperature), f32(top_p), f32(coin)
     )

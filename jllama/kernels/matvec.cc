@@ -26,8 +26,8 @@
 // running side by side on a pool of two threads cannot deadlock.
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -50,6 +50,8 @@ using F32Result = ffi::ResultBuffer<ffi::F32, 1>;
 using F32Heads = ffi::Buffer<ffi::F32, 3>;  // [n_kv_heads, positions or kv_mul, head_dim]
 using F32HeadsResult = ffi::ResultBuffer<ffi::F32, 3>;
 using S32Scalar = ffi::Buffer<ffi::S32, 0>;
+using F32Scalar = ffi::Buffer<ffi::F32, 0>;
+using S32Result = ffi::ResultBuffer<ffi::S32, 0>;
 
 namespace {
 
@@ -427,6 +429,106 @@ ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Sampling one token as llama2.c run.c's `sample` (temperature > 0), bit for bit as the host's
+// `jllama.sampling.Sampler`: logits / temperature in float32, softmax with exp computed in
+// double and rounded to float (libm's correctly rounded expf, as the host), every sum
+// sequential in float32 (run.c's loops), then `sample_mult`, or `sample_topp` when 0 < top_p
+// < 1. XLA's cumulative sums are trees: over SmolLM2's 49152 tokens they were off by up to
+// 1e-4 and a draw differed from run.c's every ~40 tokens.
+
+// First index of the maximum (run.c's argmax); NaN-free input.
+int64_t first_max(const float* v, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (v[i] > v[best]) best = i;
+  return best;
+}
+
+int64_t sample_token(const float* logits, int64_t n, float temperature, float top_p, float coin) {
+  // No flushing of tiny values to zero (XLA's threads may flush), as NumPy on the host.
+#if defined(__x86_64__) || defined(_M_X64)
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(csr & ~0x8040u);  // clear FTZ (bit 15) and DAZ (bit 6)
+#endif
+  std::unique_ptr<float[]> probs(new float[n]);
+  float top_scaled = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    probs[i] = logits[i] / temperature;
+    top_scaled = std::max(top_scaled, probs[i]);
+  }
+  if (!std::isfinite(top_scaled)) {  // a vanishing temperature: the maxima share the mass
+    const float top = logits[first_max(logits, n)];
+    for (int64_t i = 0; i < n; ++i) probs[i] = (logits[i] - top) / temperature;
+    top_scaled = probs[first_max(probs.get(), n)];
+  }
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    probs[i] = static_cast<float>(std::exp(static_cast<double>(probs[i] - top_scaled)));
+    total += probs[i];
+  }
+  for (int64_t i = 0; i < n; ++i) probs[i] /= total;
+  int64_t picked = n - 1;
+  if (!(top_p > 0.0f && top_p < 1.0f)) {  // sample_mult
+    float cdf = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      cdf += probs[i];
+      if (coin < cdf) {
+        picked = i;
+        break;
+      }
+    }
+  } else if (n == 1) {
+    picked = 0;
+  } else {  // sample_topp
+    const float cutoff = (1.0f - top_p) / static_cast<float>(n - 1);
+    std::unique_ptr<int64_t[]> ids(new int64_t[n]);
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (probs[i] >= cutoff) ids[k++] = i;
+    if (k == 0) {
+      picked = first_max(probs.get(), n);
+    } else {
+      const float* p = probs.get();
+      std::stable_sort(ids.get(), ids.get() + k, [p](int64_t a, int64_t b) { return p[a] > p[b]; });
+      float cumulative = 0.0f;
+      int64_t last = k - 1;
+      for (int64_t j = 0; j < k; ++j) {
+        cumulative += p[ids[j]];
+        if (cumulative > top_p) {
+          last = j;
+          break;
+        }
+      }
+      const float r = coin * cumulative;
+      float cdf = 0.0f;
+      picked = ids[last];
+      for (int64_t j = 0; j <= last; ++j) {
+        cdf += p[ids[j]];
+        if (r < cdf) {
+          picked = ids[j];
+          break;
+        }
+      }
+    }
+  }
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_setcsr(csr);
+#endif
+  return picked;
+}
+
+ffi::Error SampleF32(F32Vector logits, F32Scalar temperature, F32Scalar top_p, F32Scalar coin,
+                     S32Result token) {
+  const int64_t n = logits.dimensions()[0];
+  if (n < 1) return ffi::Error::InvalidArgument("jllama sample: no logits");
+  *token->typed_data() = static_cast<int32_t>(
+      sample_token(logits.typed_data(), n, *temperature.typed_data(), *top_p.typed_data(),
+                   *coin.typed_data()));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_f32, MatvecF32,
@@ -482,3 +584,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_attention_f32, AttentionF32,
                                   .Arg<F32Heads>()
                                   .RemainingArgs()
                                   .Ret<F32Heads>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_sample_f32, SampleF32,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32Vector>()
+                                  .Arg<F32Scalar>()
+                                  .Arg<F32Scalar>()
+                                  .Arg<F32Scalar>()
+                                  .Ret<S32Scalar>());
