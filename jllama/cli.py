@@ -307,6 +307,8 @@ def main(argv: list[str]) -> int:
     config, tokenizer = model.config, model.tokenizer
     if FLAGS.verify_checkpoint:
         return _verify(model.weights)
+    if speak:
+        _note_seq_len(config)
     if FLAGS.mode == "chat" and FLAGS.output_format != "text":
         raise JllamaError("--output_format=json is for --mode=generate; chat mode prints text")
     if FLAGS.mode == "chat" and not model.chat_template:
@@ -528,6 +530,13 @@ def _make_backend(config, weights, n_devices: int, decode: str, speak: bool = Tr
         for note in getattr(backend, "sharding_notes", ()):
             print(f"jllama: note: {note}", file=sys.stderr)
     return backend
+
+
+def _note_seq_len(config) -> None:
+    """Says so when --seq_len asked for more context than the model has (it is capped)."""
+    if FLAGS.seq_len > config.seq_len:
+        print(f"jllama: note: --seq_len={FLAGS.seq_len} is more than the model's context; "
+              f"using {config.seq_len}", file=sys.stderr)
 
 
 def _prefill_of(backend):
@@ -778,6 +787,7 @@ def _serve() -> int:
         dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype,
     )
     n_devices = _device_count(model.config, several=False)
+    _note_seq_len(model.config)
     print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
     # Requests are sampled on the host (every request brings its own sampler settings).
     decode = "graph" if FLAGS.decode in ("loop", "auto") else FLAGS.decode

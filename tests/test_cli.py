@@ -298,3 +298,12 @@ def test_convert_needs_both_paths_and_names_force(tmp_path):
     result = run("convert", f"--checkpoint={src}", f"--output={tmp_path / 'y.bin'}")
     _assert_one_line_error(result, "rope_theta", "--force")
     assert not (tmp_path / "y.bin").exists()
+
+
+def test_a_seq_len_above_the_models_context_is_capped_with_a_note():
+    """stories260K's context is 512 tokens (its header)."""
+    result = run("--seq_len=100000", "--steps=3", "--temperature=0")
+    assert result.returncode == 0, result.stderr
+    assert ("jllama: note: --seq_len=100000 is more than the model's context; using 512"
+            in result.stderr.splitlines())
+    assert "--seq_len" not in run("--seq_len=512", "--steps=3", "--temperature=0").stderr
