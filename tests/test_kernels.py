@@ -394,6 +394,14 @@ def test_build_reuses_the_library_and_names_a_missing_compiler(tmp_path, monkeyp
         library.build()
 
 
+def test_an_unbalanced_quote_in_cxx_is_no_compiler_not_an_internal_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", 'g++ "x')
+    assert library.compiler() is None
+    with pytest.raises(library.KernelBuildError, match="no C\\+\\+ compiler \\(CXX=g\\+\\+ \"x is"):
+        library.build()
+
+
 def test_cxx_is_split_like_a_shell_line_and_empty_means_unset(monkeypatch):
     monkeypatch.setenv("CXX", "env c++")
     assert library.compiler()[1:] == ["c++"] and library.compiler()[0].endswith("/env")

@@ -48,8 +48,12 @@ SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8",
 
 def compiler() -> list[str] | None:
     """The C++ compiler command (`$CXX` split as a shell would, e.g. "ccache g++"; `c++` when
-    unset or empty) with its program resolved to a path, or None if there is no such program."""
-    words = shlex.split(os.environ.get("CXX") or "c++")
+    unset or empty) with its program resolved to a path, or None if there is no such program
+    (or `$CXX` does not split, e.g. an unbalanced quote)."""
+    try:
+        words = shlex.split(os.environ.get("CXX") or "c++")
+    except ValueError:
+        return None
     path = shutil.which(words[0]) if words else None
     return [path, *words[1:]] if path else None
 
