@@ -446,6 +446,20 @@ int64_t first_max(const float* v, int64_t n) {
   return best;
 }
 
+// run.c's sampling loops: the first j < k whose running float32 sum prob(0) + ... + prob(j)
+// exceeds r, or k - 1 when none does; *sum (if given) gets the running sum through it.
+template <typename Prob>
+int64_t first_sum_over(int64_t k, Prob prob, float r, float* sum = nullptr) {
+  float cdf = 0.0f;
+  int64_t j = 0;
+  for (; j < k; ++j) {
+    cdf += prob(j);
+    if (cdf > r) break;
+  }
+  if (sum != nullptr) *sum = cdf;
+  return std::min(j, k - 1);
+}
+
 int64_t sample_token(const float* logits, int64_t n, float temperature, float top_p, float coin) {
   // No flushing of tiny values to zero (XLA's threads may flush), as NumPy on the host.
 #if defined(__x86_64__) || defined(_M_X64)
@@ -469,16 +483,10 @@ int64_t sample_token(const float* logits, int64_t n, float temperature, float to
     total += probs[i];
   }
   for (int64_t i = 0; i < n; ++i) probs[i] /= total;
-  int64_t picked = n - 1;
+  const float* p = probs.get();
+  int64_t picked;
   if (!(top_p > 0.0f && top_p < 1.0f)) {  // sample_mult
-    float cdf = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      cdf += probs[i];
-      if (coin < cdf) {
-        picked = i;
-        break;
-      }
-    }
+    picked = first_sum_over(n, [p](int64_t i) { return p[i]; }, coin);
   } else if (n == 1) {
     picked = 0;
   } else {  // sample_topp
@@ -486,31 +494,16 @@ int64_t sample_token(const float* logits, int64_t n, float temperature, float to
     std::unique_ptr<int64_t[]> ids(new int64_t[n]);
     int64_t k = 0;
     for (int64_t i = 0; i < n; ++i)
-      if (probs[i] >= cutoff) ids[k++] = i;
+      if (p[i] >= cutoff) ids[k++] = i;
     if (k == 0) {
-      picked = first_max(probs.get(), n);
+      picked = first_max(p, n);
     } else {
-      const float* p = probs.get();
       std::stable_sort(ids.get(), ids.get() + k, [p](int64_t a, int64_t b) { return p[a] > p[b]; });
-      float cumulative = 0.0f;
-      int64_t last = k - 1;
-      for (int64_t j = 0; j < k; ++j) {
-        cumulative += p[ids[j]];
-        if (cumulative > top_p) {
-          last = j;
-          break;
-        }
-      }
-      const float r = coin * cumulative;
-      float cdf = 0.0f;
-      picked = ids[last];
-      for (int64_t j = 0; j <= last; ++j) {
-        cdf += p[ids[j]];
-        if (r < cdf) {
-          picked = ids[j];
-          break;
-        }
-      }
+      const int64_t* sorted = ids.get();
+      auto prob = [p, sorted](int64_t j) { return p[sorted[j]]; };
+      float cumulative;
+      const int64_t last = first_sum_over(k, prob, top_p, &cumulative);
+      picked = sorted[first_sum_over(last + 1, prob, coin * cumulative)];
     }
   }
 #if defined(__x86_64__) || defined(_M_X64)
