@@ -428,7 +428,12 @@ class JaxGraphBackend:
             if size and key not in self._compiled:
                 self._compiled.add(key)
                 self._prefill_chunk([0] * size, pos)
-        for pos in range(end if chunked else start, min(last, config.seq_len - 1) + 1):
+        first, final = end if chunked else start, min(last, config.seq_len - 1)
+        # Where a program can first be needed: the first position, the first after the prompt
+        # and each block's first (where the window can grow); not every position.
+        starts = range((first // self.block_length + 1) * self.block_length, final + 1,
+                       self.block_length)
+        for pos in sorted({p for p in (first, end, *starts) if first <= p <= final}):
             if ("forward", blocks(pos)) not in self._compiled:
                 self._compiled.add(("forward", blocks(pos)))
                 self.forward(0, pos)
