@@ -42,6 +42,21 @@ def _reference(w, x) -> np.ndarray:
     return dense @ np.asarray(x, np.float64)
 
 
+_PLAIN = {"prologue": np.int32(0), "eps": np.float32(0), "residual": np.int32(0)}
+"""The matvec handlers' attributes for a plain product (calls by symbol, not `kernels.matvec`)."""
+
+
+def _rmsnorm64(x, weight, eps) -> np.ndarray:
+    """RMSNorm in float64 (llama2.c run.c's formula)."""
+    x = np.asarray(x, np.float64)
+    return np.asarray(weight, np.float64) * x / np.sqrt(np.mean(x * x) + eps)
+
+
+def _silu64(x) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return x / (1 + np.exp(-x))
+
+
 def _bound(w, x) -> np.ndarray:
     """Rounding bound of a float32 sum of n products: n * eps * sum |w_ij x_j| per row."""
     dense = np.abs(np.asarray(w, np.float64))
@@ -507,6 +522,94 @@ def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
     assert "building" not in again.stderr and again.stdout == done.stdout
 
 
+_SHAPES = [(1, 1), (3, 5), (300, 288), (4099, 576), (70, 1536)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(d, s) for d in ("float32", "bfloat16", "int8") for s in _SHAPES]
+    + [("int8_groups", s) for s in _SHAPES if s[1] % 32 == 0],  # groups of 32, as GGUF's Q8_0
+)
+def test_the_prologues_and_the_residual_agree_with_numpy(dtype, shape):
+    """`matvec(w, x, norm=...)` is `w @ rmsnorm(x)`, `matvec(w, a, gate=b, add=r)` is `r + w @
+    (silu(a) * b)`, against float64 NumPy within the float32 rounding bound (a few ulps more
+    for the prologue's own rounding), for each weight dtype; the residual is exactly `r + the
+    plain product` (one IEEE addition)."""
+    m, n = shape
+    rng = np.random.default_rng(m * 7919 + n)
+    w = rng.standard_normal((m, n), dtype=np.float32)
+    if dtype == "int8_groups":
+        wk = Int8Matrix(q=rng.integers(-127, 128, (m, n), dtype=np.int8),
+                        scale=rng.random((m, n // 32), dtype=np.float32))
+    else:
+        wk = _as(dtype, w)
+    x, norm, gate = (rng.standard_normal(n, dtype=np.float32) * 3 for _ in range(3))
+    add = rng.standard_normal(m, dtype=np.float32)
+    kernels.load()
+
+    @jax.jit
+    def run(wk, x, norm, gate, add):
+        return (kernels.matvec(wk, x, norm=norm, eps=1e-5),
+                kernels.matvec(wk, x, gate=gate, add=add),
+                kernels.matvec(wk, x, add=add), kernels.matvec(wk, x))
+
+    normed, swiglu, plus, plain = map(np.asarray, run(jax.device_put(wk), x, norm, gate, add))
+    dense = np.asarray(wk, np.float32)
+    xn = _rmsnorm64(x, norm, 1e-5)
+    assert np.all(np.abs(normed - _reference(wk, xn)) <= 4 * _bound(dense, xn))
+    xs = _silu64(x) * gate
+    expected = add + _reference(wk, xs)
+    assert np.all(np.abs(swiglu - expected) <= 4 * _bound(dense, xs) + 2e-7 * np.abs(expected))
+    assert np.array_equal(plus, add + plain)
+
+
+def test_the_prologues_by_hand():
+    """Worked by hand: x = (3, 4), eps = 0: mean(x^2) = 12.5, rmsnorm(x) = x / sqrt(12.5), so
+    (1, 1) . rmsnorm(x) * (2, 1) = (6 + 4) / sqrt(12.5) = 2 * sqrt(2); silu(ln 3) = ln 3 /
+    (1 + 1/3) = 0.75 ln 3, times the gate 4 is 3 ln 3, plus the residual 1."""
+    kernels.load()
+    w = jnp.ones((1, 2), jnp.float32)
+    got = jax.jit(lambda w, x, g: kernels.matvec(w, x, norm=g, eps=0.0))(
+        w, jnp.array([3.0, 4.0]), jnp.array([2.0, 1.0]))
+    np.testing.assert_allclose(np.asarray(got), [2 * np.sqrt(2)], rtol=2e-7)
+    got = jax.jit(lambda w, x, g, r: kernels.matvec(w, x, gate=g, add=r))(
+        jnp.ones((1, 1), jnp.float32), jnp.array([np.log(3.0)], jnp.float32),
+        jnp.array([4.0]), jnp.array([1.0]))
+    np.testing.assert_allclose(np.asarray(got), [1 + 3 * np.log(3.0)], rtol=2e-7)
+
+
+def test_the_prologues_reject_bad_arguments():
+    kernels.load()
+    w, x = jnp.zeros((2, 3)), jnp.zeros(3)
+    with pytest.raises(ValueError, match="norm or gate, not both"):
+        kernels.matvec(w, x, norm=x, gate=x)
+    with pytest.raises(ValueError, match="x's shape"):
+        kernels.matvec(w, x, norm=jnp.zeros(2))
+    with pytest.raises(ValueError, match="add must be"):
+        kernels.matvec(w, x, add=jnp.zeros(3))
+
+
+def test_the_layer_programs_leave_norms_and_swiglu_to_the_kernels(stories260k):
+    """With matvec="kernel" the programs after attention and the classifier hold no RMSNorm
+    (`rsqrt`) and no SwiGLU (its `exponential`) of XLA's: they run inside the products' calls. With
+    "xla" they are there."""
+    from jllama import graphs
+
+    config, weights = stories260k
+    x = jnp.zeros(config.dim)
+    for matvec in ("kernel", "xla"):
+        b = make_backend("jax", matvec=matvec)
+        b.prepare(config, weights)
+        layer = b.layers[0]
+        block = graphs.block.lower(
+            config, x, jnp.zeros(config.q_dim), layer.wo, layer.rms_ffn_weight, layer.w1,
+            layer.w2, layer.w3, matvec=b.matvec,
+        ).as_text()
+        head = graphs.classifier.lower(config, x, b.rms_final_weight, b.wcls,
+                                       matvec=b.matvec).as_text()
+        assert ("rsqrt" in block, "exponential" in block, "rsqrt" in head) == ((matvec == "xla",) * 3)
+
+
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatch):
     """Machines without AVX-512 (the issue's AVX2 machine kind) compile the other branches of
@@ -534,13 +637,29 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
         for dtype in ("float32", "bfloat16", "int8"):
             wk = _as(dtype, w)
             args = (wk.q, wk.scale, x) if dtype == "int8" else (wk, x)
-            got = np.asarray(jax.ffi.ffi_call(names[dtype], out)(*map(jnp.asarray, args)))
+            got = np.asarray(jax.ffi.ffi_call(names[dtype], out)(*map(jnp.asarray, args),
+                                                                 **_PLAIN))
             assert np.all(np.abs(got - _reference(wk, x)) <= _bound(np.asarray(wk, np.float32), x))
+            # The prologues and the residual (std::exp and the scalar norm on these builds).
+            norm, add = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(m)
+            call = jax.ffi.ffi_call(names[dtype], out)
+            got = np.asarray(call(*map(jnp.asarray, args), jnp.asarray(norm),
+                                  **{**_PLAIN, "prologue": np.int32(kernels.PROLOGUE_RMSNORM),
+                                     "eps": np.float32(1e-5)}))
+            xn = _rmsnorm64(x, norm, 1e-5)
+            assert np.all(np.abs(got - _reference(wk, xn)) <= 4 * _bound(np.asarray(wk, np.float32), xn))
+            got = np.asarray(call(*map(jnp.asarray, args), jnp.asarray(norm),
+                                  jnp.asarray(add, np.float32),
+                                  **{**_PLAIN, "prologue": np.int32(kernels.PROLOGUE_SWIGLU),
+                                     "residual": np.int32(1)}))
+            xs = _silu64(x) * norm
+            expected = np.float32(add) + _reference(wk, xs)
+            assert np.all(np.abs(got - expected) <= 4 * _bound(np.asarray(wk, np.float32), xs) + 1e-6)
         if n % 32 == 0:  # one scale per 32 weights, as GGUF's Q8_0
             wg = Int8Matrix(q=rng.integers(-127, 128, (m, n), dtype=np.int8),
                             scale=rng.random((m, n // 32), dtype=np.float32))
             got = np.asarray(jax.ffi.ffi_call(names["int8_groups"], out)(
-                jnp.asarray(wg.q), jnp.asarray(wg.scale), jnp.asarray(x)))
+                jnp.asarray(wg.q), jnp.asarray(wg.scale), jnp.asarray(x), **_PLAIN))
             assert np.all(np.abs(got - _reference(wg, x)) <= _bound(np.asarray(wg, np.float32), x))
     for case in [(3, 3, 64, 256, 2, 300, 1), (2, 4, 20, 16, 4, 50, None)]:
         args, expected = _attention_case(rng, *case)

@@ -8,7 +8,7 @@ import functools
 import jax
 
 from jllama.config import ModelConfig
-from jllama.graphs.ops import matmul, rmsnorm
+from jllama.graphs.ops import norm_matmul, residual_matmul, residual_swiglu_matmul
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
@@ -34,14 +34,17 @@ def block(
       att: f32[q_dim], the attention output.
       wo: f32[dim, q_dim]; rms_ffn_weight: f32[dim];
       w1, w3: f32[hidden_dim, dim]; w2: f32[dim, hidden_dim] (out x in).
-      matvec: static; how the products run, "xla" or "kernel" (`jllama.graphs.ops.matmul`).
+      matvec: static; how the products run, "xla" or "kernel" (`jllama.graphs.ops.matmul`;
+        with "kernel" the norm, SwiGLU and the residual additions run inside the products'
+        kernel calls).
 
     Returns:
       f32[dim], the residual stream leaving the layer.
     """
     with jax.named_scope("wo"):
-        x = x + matmul(wo, att, matvec)
+        x = residual_matmul(x, wo, att, matvec)
     with jax.named_scope("ffn"):
-        h = rmsnorm(x, rms_ffn_weight, config.norm_eps)
-        gate = jax.nn.silu(matmul(w1, h, matvec)) * matmul(w3, h, matvec)
-        return x + matmul(w2, gate, matvec)
+        eps = config.norm_eps
+        up = norm_matmul(w1, x, rms_ffn_weight, eps, matvec)
+        gate = norm_matmul(w3, x, rms_ffn_weight, eps, matvec)
+        return residual_swiglu_matmul(x, w2, up, gate, matvec)

@@ -7,7 +7,7 @@ import functools
 import jax
 
 from jllama.config import ModelConfig
-from jllama.graphs.ops import matmul, rmsnorm
+from jllama.graphs.ops import norm_matmul
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
@@ -31,4 +31,4 @@ def classifier(
       logits: f32[vocab_size].
     """
     with jax.named_scope("classifier"):
-        return matmul(wcls, rmsnorm(x, rms_final_weight, config.norm_eps), matvec)
+        return norm_matmul(wcls, x, rms_final_weight, config.norm_eps, matvec)

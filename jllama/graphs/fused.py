@@ -24,7 +24,7 @@ from jllama.config import ModelConfig
 from jllama.graphs.attention import block_scores, block_weighted_sum, causal_softmax
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
-from jllama.graphs.ops import PRECISION, matmul, rmsnorm, rope, split_qkv
+from jllama.graphs.ops import PRECISION, norm_matmul, rope, split_qkv
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("shards", "matvec"))
@@ -66,7 +66,7 @@ def decode_step(
     new_k, new_v = [], []
     for l, layer in enumerate(layers):
         with jax.named_scope(f"layer{l}"):
-            qkv_out = matmul(layer.wqkv, rmsnorm(x, layer.rms_att_weight, c.norm_eps), matvec)
+            qkv_out = norm_matmul(layer.wqkv, x, layer.rms_att_weight, c.norm_eps, matvec)
             q, k, v = split_qkv(c, qkv_out, shards)
             q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
             qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)

@@ -48,6 +48,39 @@ def matmul(w: jax.Array | Int8Matrix, x: jax.Array, matvec: str = "xla") -> jax.
     return jnp.dot(w, x, precision=PRECISION)
 
 
+def norm_matmul(
+    w: jax.Array | Int8Matrix, x: jax.Array, weight: jax.Array, eps: float, matvec: str = "xla"
+) -> jax.Array:
+    """`w @ rmsnorm(x, weight, eps)`: f32[n] -> f32[out] (w as `matmul`). With
+    matvec="kernel" the norm runs inside the product's kernel call (`jllama.kernels.matvec`),
+    not as XLA programs of its own."""
+    if matvec == "kernel":
+        return kernels.matvec(w, x, norm=weight, eps=eps)
+    return matmul(w, rmsnorm(x, weight, eps), matvec)
+
+
+def residual_matmul(
+    residual: jax.Array, w: jax.Array | Int8Matrix, x: jax.Array, matvec: str = "xla"
+) -> jax.Array:
+    """`residual + w @ x`: residual f32[out], x f32[n] (w as `matmul`); with matvec="kernel"
+    the addition runs inside the product's kernel call."""
+    if matvec == "kernel":
+        return kernels.matvec(w, x, add=residual)
+    return residual + matmul(w, x, matvec)
+
+
+def residual_swiglu_matmul(
+    residual: jax.Array, w: jax.Array | Int8Matrix, a: jax.Array, b: jax.Array,
+    matvec: str = "xla",
+) -> jax.Array:
+    """`residual + w @ (silu(a) * b)`, SwiGLU's last product (Shazeer 2020, as llama2.c
+    run.c): residual f32[out], a and b f32[n] (w as `matmul`); with matvec="kernel" silu, the
+    multiply and the addition run inside the product's kernel call."""
+    if matvec == "kernel":
+        return kernels.matvec(w, a, gate=b, add=residual)
+    return residual + matmul(w, jax.nn.silu(a) * b, matvec)
+
+
 def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as llama2.c run.c: `weight * x / sqrt(mean(x**2) + eps)`; f32[n] -> f32[n]."""
     ms = jnp.dot(x, x, precision=PRECISION) / x.shape[-1] + eps

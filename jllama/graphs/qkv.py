@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jllama.config import ModelConfig
-from jllama.graphs.ops import matmul, rmsnorm, rope, split_qkv
+from jllama.graphs.ops import norm_matmul, rope, split_qkv
 
 
 @functools.partial(
@@ -57,7 +57,7 @@ def qkv(
     """
     c = config
     with jax.named_scope("qkv"):
-        qkv_out = matmul(wqkv, rmsnorm(x, rms_att_weight, c.norm_eps), matvec)
+        qkv_out = norm_matmul(wqkv, x, rms_att_weight, c.norm_eps, matvec)
         q, k, v = split_qkv(c, qkv_out, shards)
     with jax.named_scope("rope"):
         q = rope(q, pos, inv_freq)

@@ -9,7 +9,8 @@ about float32's bytes per second (int8: 231 tok/s) and float32 at least as fast 
 (the default on CPU, see `jllama.backends.jax_graph`) calls these instead of `jnp.dot`.
 
   load()          build (once per machine, `jllama.kernels.library`) and register the handlers
-  matvec(w, x)    one product inside a traced program: w f32/bf16[m, n] or `Int8Matrix`
+  matvec(w, x)    one product inside a traced program: w f32/bf16[m, n] or `Int8Matrix`,
+                  optionally with RMSNorm or SwiGLU before it and a residual add after
   attention(...)  one token's attention over a layer's cache blocks, positions 0 .. pos only
   sample(...)     one token drawn as run.c's sampler (and the host's `Sampler`), bit for bit
 
@@ -23,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jllama.kernels.library import SYMBOLS, KernelBuildError, build, check_library
 from jllama.quant import Int8Matrix
@@ -39,6 +41,10 @@ ATTENTION = SYMBOLS[4]
 """The handler for one token's attention over float32 cache blocks."""
 SAMPLE = SYMBOLS[5]
 """The handler for drawing one token from logits as run.c's sampler."""
+
+PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
+"""The matvec handlers' `prologue` attribute (`matvec.cc`): x as given, RMSNorm(x) * norm,
+silu(x) * gate."""
 
 __all__ = ["MATVEC_MODES", "KernelBuildError", "attention", "load", "matvec", "sample"]
 
@@ -63,35 +69,68 @@ def load() -> str:
     return str(path)
 
 
-def matvec(w, x: jax.Array) -> jax.Array:
-    """`w @ x` by jllama's CPU kernel, for tracing inside a jitted program (call `load()`
-    first, outside the trace).
+def matvec(
+    w,
+    x: jax.Array,
+    *,
+    norm: jax.Array | None = None,
+    eps: float = 0.0,
+    gate: jax.Array | None = None,
+    add: jax.Array | None = None,
+) -> jax.Array:
+    """`add + w @ f(x)` by jllama's CPU kernel, for tracing inside a jitted program (call
+    `load()` first, outside the trace), with the small work around a llama layer's products done
+    inside the same call (in XLA each was a few programs of ~1 us on a few hundred floats).
 
     Args:
       w: f32[m, n], bf16[m, n] (widened exactly) or an `Int8Matrix` (q int8[m, n], scale
         f32[m]: `scale * (q @ x)`; or grouped, scale f32[m, n // g]: each group's sum times its
         scale), rows as llama2.c's "out x in".
       x: f32[n].
+      norm: f32[n] or None; given, f(x) = RMSNorm as llama2.c run.c, `norm * (x /
+        sqrt(mean(x**2) + eps))` (`jllama.graphs.ops.rmsnorm`), the sum of squares in 16
+        lanes then a fixed tree.
+      eps: RMSNorm's epsilon (only with norm).
+      gate: f32[n] or None; given, f(x) = `silu(x) * gate` (SwiGLU's input to w2, Shazeer
+        2020, as run.c), silu(x) = x / (1 + exp(-x)) with an exp good to about 1 ulp. Not with
+        norm.
+      add: f32[m] or None; given, it is added to the product (the residual stream), `add[i] +
+        (w @ f(x))[i]`, as XLA would add them.
+      Without norm or gate f(x) = x.
 
     Returns:
       f32[m]. Each row's sum runs in a fixed order (64 interleaved partial sums), so it differs
-      from `jnp.dot`'s by float rounding only.
+      from `jnp.dot`'s by float rounding only, and the same arguments give the same bits.
 
     Raises:
-      ValueError: another weight dtype, or shapes that do not agree.
+      ValueError: another weight dtype, shapes that do not agree, or both norm and gate.
     """
     out = jax.ShapeDtypeStruct((w.shape[0],), jnp.float32)
     if w.ndim != 2 or x.shape != (w.shape[1],):
         raise ValueError(f"matvec needs w[m, n] and x[n], got {w.shape} and {x.shape}")
+    if norm is not None and gate is not None:
+        raise ValueError("matvec takes norm or gate, not both")
+    prologue, extra = PROLOGUE_PLAIN, []
+    for kind, v in ((PROLOGUE_RMSNORM, norm), (PROLOGUE_SWIGLU, gate)):
+        if v is not None:
+            if v.shape != x.shape:
+                raise ValueError(f"matvec's norm or gate must be x's shape {x.shape}, got {v.shape}")
+            prologue, extra = kind, [v.astype(jnp.float32)]
+    if add is not None:
+        if add.shape != out.shape:
+            raise ValueError(f"matvec's add must be f32[{w.shape[0]}], got {add.shape}")
+        extra.append(add.astype(jnp.float32))
+    attrs = {"prologue": np.int32(prologue), "eps": np.float32(eps),
+             "residual": np.int32(add is not None)}
     x = x.astype(jnp.float32)
     if isinstance(w, Int8Matrix) and w.grouped:
-        return jax.ffi.ffi_call(GROUPED_INT8, out)(w.q, w.scale, x)
+        return jax.ffi.ffi_call(GROUPED_INT8, out)(w.q, w.scale, x, *extra, **attrs)
     if isinstance(w, Int8Matrix):
-        return jax.ffi.ffi_call(TARGETS["int8"], out)(w.q, w.scale, x)
+        return jax.ffi.ffi_call(TARGETS["int8"], out)(w.q, w.scale, x, *extra, **attrs)
     name = jnp.dtype(w.dtype).name
     if name not in TARGETS or name == "int8":
         raise ValueError(f"matvec has no kernel for {name} weights")
-    return jax.ffi.ffi_call(TARGETS[name], out)(w, x)
+    return jax.ffi.ffi_call(TARGETS[name], out)(w, x, *extra, **attrs)
 
 
 def attention(

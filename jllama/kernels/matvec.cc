@@ -7,6 +7,14 @@
 //   jllama_matvec_int8_groups  y[i] = sum_k scale[i, k] * sum_{j in group k} q[i, j] * x[j]
 //                       scale: f32[m, G], groups of n / G weights (GGUF's Q8_0 / Q4_0: 32)
 //
+// Each also takes, as attributes and trailing arguments, the small work around a product in a
+// llama layer, so that it is not a separate XLA program step:
+//   prologue 1: x is rmsnorm(x) * weight first (weight: f32[n], eps), as llama2.c run.c
+//   prologue 2: x is silu(x) * gate first (gate: f32[n]), SwiGLU's input to w2
+//   residual 1: y[i] is add[i] + (the product's row i) (add: f32[m]), the residual stream
+// In XLA each of these was two to four programs on a few hundred floats, ~1 us apiece: about
+// a hundred a token for stories15M, more time than its attention.
+//
 // x: f32[n], y: f32[m]; rows are "out x in" as in llama2.c run.c's matmul. Sums are f32 in
 // 64 interleaved partial sums per row (lane j sums the elements j, j + 64, j + 128, ..., the
 // last partial block of a row included), then the lanes as a fixed tree (`finish`): a fixed
@@ -116,8 +124,64 @@ inline float halve16(__m512 v) {
 }
 #endif
 
-// sum_j w[j] * x[j] in the 64-lane order above; T: float, uint16_t (bfloat16) or int8_t.
+// exp(x) to about 1 ulp (x <= 88; below -104 it is 0): x = n ln2 + r with |r| <=
+// ln2 / 2, exp(r) as its Taylor polynomial of degree 7 (error < 5e-9), times 2^n.
+#if JLLAMA_AVX512
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below: exp underflows to 0 anyway
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high part
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // and the rest
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// sum_d a[d] * b[d] in 16 lanes then the tree of halve16 (a fixed order).
+inline float dot_head(const float* a, const float* b, int64_t n) {
+#if JLLAMA_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16) {
+    __mmask16 keep = n - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - d)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, a + d), _mm512_maskz_loadu_ps(keep, b + d),
+                          acc);
+  }
+  return halve16(acc);
+#else
+  float acc[16] = {0};
+  for (int64_t d = 0; d < n; ++d) acc[d % 16] += a[d] * b[d];
+  return halve16(acc);
+#endif
+}
+
+// How far ahead of its loads a streaming product asks for its weights, in bytes.
+constexpr int kStreamAhead = 2048;
+
+// Asks for the weights `kStreamAhead` bytes past w with the non-temporal hint. On this
+// project's AMD machine (L3 a victim cache of L2) streaming a product's weights that way ran
+// 8-14% more bytes per second than plain loads (bench/NOTES.md): the lines are used once per
+// token and do not go through L3 on their way out. A prefetch never faults, so reading past the
+// matrix's end is harmless.
 template <typename T>
+inline void stream_ahead(const T* w) {
+#if defined(__x86_64__) || defined(_M_X64)
+  const char* p = reinterpret_cast<const char*>(w) + kStreamAhead;
+  for (int b = 0; b < static_cast<int>(kLanes * sizeof(T)); b += 64)
+    _mm_prefetch(p + b, _MM_HINT_NTA);
+#endif
+}
+
+// sum_j w[j] * x[j] in the 64-lane order above; T: float, uint16_t (bfloat16) or int8_t.
+// Stream: prefetch the weights ahead (`stream_ahead`); the sum is the same either way.
+template <typename T, bool Stream = false>
 inline float dot(const T* w, const float* x, int64_t n) {
   int64_t i = 0;
 #if JLLAMA_AVX512
@@ -125,6 +189,7 @@ inline float dot(const T* w, const float* x, int64_t n) {
   __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                  _mm512_setzero_ps()};
   for (; i + kLanes <= n; i += kLanes) {
+    if (Stream) stream_ahead(w + i);
     a[0] = _mm512_fmadd_ps(widen16(w + i), _mm512_loadu_ps(x + i), a[0]);
     a[1] = _mm512_fmadd_ps(widen16(w + i + 16), _mm512_loadu_ps(x + i + 16), a[1]);
     a[2] = _mm512_fmadd_ps(widen16(w + i + 32), _mm512_loadu_ps(x + i + 32), a[2]);
@@ -138,8 +203,10 @@ inline float dot(const T* w, const float* x, int64_t n) {
   return halve16(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 #else
   float acc[kLanes] = {0};
-  for (; i + kLanes <= n; i += kLanes)
+  for (; i + kLanes <= n; i += kLanes) {
+    if (Stream) stream_ahead(w + i);
     for (int j = 0; j < kLanes; ++j) acc[j] += widen(w[i + j]) * x[i + j];
+  }
   for (int j = 0; i + j < n; ++j) acc[j] += widen(w[i + j]) * x[i + j];
   return finish(acc);
 #endif
@@ -155,16 +222,21 @@ struct Product {
   float* y;
   int64_t n;
   int64_t groups;  // scales per row, for rows_int8_groups
+  bool stream;     // prefetch the weights ahead (`stream_ahead`): set by `run` for big products
 };
 
 template <typename T>
 void rows(const Product& p, int64_t begin, int64_t end) {
   const T* w = static_cast<const T*>(p.w);
-  for (int64_t r = begin; r < end; ++r) p.y[r] = dot(w + r * p.n, p.x, p.n);
+  if (p.stream)
+    for (int64_t r = begin; r < end; ++r) p.y[r] = dot<T, true>(w + r * p.n, p.x, p.n);
+  else
+    for (int64_t r = begin; r < end; ++r) p.y[r] = dot<T, false>(w + r * p.n, p.x, p.n);
 }
 
 // Groups: each group's 16 lanes summed from zero, then multiplied by the group's scale into 16
 // running lanes, then those halved as a tree (8, 4, 2, 1). A fixed order, as above.
+template <bool Stream>
 inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x, int64_t n,
                              int64_t size) {
   float acc[16] = {0};
@@ -173,6 +245,7 @@ inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x
   if (size % 16 == 0) {
     __m512 a = _mm512_setzero_ps();
     for (int64_t g = 0; g < n; g += size, ++k) {
+      if (Stream && (g & (kLanes - 1)) == 0) stream_ahead(q + g);
       __m512 part = _mm512_setzero_ps();
       for (int64_t i = g; i < g + size; i += 16)
         part = _mm512_fmadd_ps(widen16(q + i), _mm512_loadu_ps(x + i), part);
@@ -192,13 +265,20 @@ inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x
 void rows_int8_groups(const Product& p, int64_t begin, int64_t end) {
   const int8_t* q = static_cast<const int8_t*>(p.w);
   const int64_t groups = p.groups, size = p.n / groups;
-  for (int64_t r = begin; r < end; ++r)
-    p.y[r] = dot_int8_groups(q + r * p.n, p.scale + r * groups, p.x, p.n, size);
+  if (p.stream)
+    for (int64_t r = begin; r < end; ++r)
+      p.y[r] = dot_int8_groups<true>(q + r * p.n, p.scale + r * groups, p.x, p.n, size);
+  else
+    for (int64_t r = begin; r < end; ++r)
+      p.y[r] = dot_int8_groups<false>(q + r * p.n, p.scale + r * groups, p.x, p.n, size);
 }
 
 void rows_int8(const Product& p, int64_t begin, int64_t end) {
   const int8_t* q = static_cast<const int8_t*>(p.w);
-  for (int64_t r = begin; r < end; ++r) p.y[r] = dot(q + r * p.n, p.x, p.n) * p.scale[r];
+  if (p.stream)
+    for (int64_t r = begin; r < end; ++r) p.y[r] = dot<int8_t, true>(q + r * p.n, p.x, p.n) * p.scale[r];
+  else
+    for (int64_t r = begin; r < end; ++r) p.y[r] = dot<int8_t, false>(q + r * p.n, p.x, p.n) * p.scale[r];
 }
 // Shared between the caller and the pool tasks; a task may start after the product is done,
 // so the state lives as long as its last holder.
@@ -228,6 +308,9 @@ void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
   }
   auto work = std::make_shared<Work>();
   work->product = product;
+  // Products this big stream their weights from memory (a small model's whole set of weights
+  // fits in L2 and never gets here).
+  work->product.stream = true;
   work->m = m;
   work->chunks = std::min<int64_t>(m, threads * kChunksPerThread);
   work->chunk = (m + work->chunks - 1) / work->chunks;
@@ -248,6 +331,31 @@ void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
   }
 }
 
+// RMSNorm as llama2.c run.c: out = weight * (x / sqrt(mean(x^2) + eps)), the sum of squares in
+// dot_head's fixed order.
+void rmsnorm(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  const float inv = 1.0f / std::sqrt(dot_head(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+// SwiGLU's input to w2 (Shazeer 2020, as run.c): out = silu(a) * gate, silu(a) = a / (1 +
+// exp(-a)).
+void swiglu(const float* a, const float* gate, int64_t n, float* out) {
+  int64_t i = 0;
+#if JLLAMA_AVX512
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(a + i);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_storeu_ps(out + i,
+                     _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), _mm512_loadu_ps(gate + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = a[i] / (1.0f + std::exp(-a[i])) * gate[i];
+}
+
+enum Prologue : int32_t { kPlain = 0, kRmsNorm = 1, kSwiGlu = 2 };
+
 ffi::Error check(int64_t m, int64_t n, const ffi::AnyBuffer::Dimensions& x,
                  const ffi::AnyBuffer::Dimensions& y) {
   if (x.size() != 1 || x[0] != n || y.size() != 1 || y[0] != m)
@@ -255,33 +363,69 @@ ffi::Error check(int64_t m, int64_t n, const ffi::AnyBuffer::Dimensions& x,
   return ffi::Error::Success();
 }
 
-ffi::Error MatvecF32(ffi::ThreadPool pool, F32Matrix w, F32Vector x,
-                     F32Result y) {
-  int64_t m = w.dimensions()[0], n = w.dimensions()[1];
-  if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
-  run(pool, Product{rows<float>, w.typed_data(), nullptr, x.typed_data(), y->typed_data(), n}, m);
+// *out = the vector extra[k], which must be f32[length].
+ffi::Error vector(ffi::RemainingArgs& extra, size_t k, int64_t length, const float** out) {
+  auto v = extra.get<F32Vector>(k);
+  if (v.has_error()) return v.error();
+  if (v->dimensions()[0] != length)
+    return ffi::Error::InvalidArgument("jllama matvec: a prologue or residual vector's length");
+  *out = v->typed_data();
   return ffi::Error::Success();
 }
 
-ffi::Error MatvecBf16(ffi::ThreadPool pool, Bf16Matrix w,
-                      F32Vector x, F32Result y) {
-  int64_t m = w.dimensions()[0], n = w.dimensions()[1];
-  if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
-  run(pool, Product{rows<uint16_t>, w.untyped_data(), nullptr, x.typed_data(), y->typed_data(), n},
-      m);
+// Product p (its weights set) on x after the prologue, plus the residual: the common body of
+// the matvec handlers. extra: the prologue's vector (f32[n]) if any, then the residual's
+// (f32[m]) if any.
+ffi::Error product(ffi::ThreadPool& pool, Product p, int64_t m, F32Vector& x,
+                   ffi::RemainingArgs& extra, F32Result& y, int32_t prologue, float eps,
+                   int32_t residual) {
+  if (ffi::Error e = check(m, p.n, x.dimensions(), y->dimensions()); e.failure()) return e;
+  if (prologue < kPlain || prologue > kSwiGlu)
+    return ffi::Error::InvalidArgument("jllama matvec: unknown prologue");
+  if (extra.size() != static_cast<size_t>((prologue != kPlain) + (residual != 0)))
+    return ffi::Error::InvalidArgument("jllama matvec: the extra vectors do not match the attributes");
+  std::unique_ptr<float[]> prepared;
+  p.x = x.typed_data();
+  if (prologue != kPlain) {
+    const float* aux;
+    if (ffi::Error e = vector(extra, 0, p.n, &aux); e.failure()) return e;
+    prepared.reset(new float[p.n]);
+    if (prologue == kRmsNorm) rmsnorm(p.x, aux, eps, p.n, prepared.get());
+    else swiglu(p.x, aux, p.n, prepared.get());
+    p.x = prepared.get();
+  }
+  const float* add = nullptr;
+  if (residual != 0)
+    if (ffi::Error e = vector(extra, extra.size() - 1, m, &add); e.failure()) return e;
+  p.y = y->typed_data();
+  run(pool, p, m);
+  if (add != nullptr)
+    for (int64_t i = 0; i < m; ++i) p.y[i] = add[i] + p.y[i];
   return ffi::Error::Success();
 }
 
-ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q,
-                      F32Vector scale, F32Vector x,
-                      F32Result y) {
-  int64_t m = q.dimensions()[0], n = q.dimensions()[1];
-  if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
+ffi::Error MatvecF32(ffi::ThreadPool pool, F32Matrix w, F32Vector x, ffi::RemainingArgs extra,
+                     F32Result y, int32_t prologue, float eps, int32_t residual) {
+  const int64_t m = w.dimensions()[0], n = w.dimensions()[1];
+  return product(pool, Product{rows<float>, w.typed_data(), nullptr, nullptr, nullptr, n}, m, x,
+                 extra, y, prologue, eps, residual);
+}
+
+ffi::Error MatvecBf16(ffi::ThreadPool pool, Bf16Matrix w, F32Vector x, ffi::RemainingArgs extra,
+                      F32Result y, int32_t prologue, float eps, int32_t residual) {
+  const int64_t m = w.dimensions()[0], n = w.dimensions()[1];
+  return product(pool, Product{rows<uint16_t>, w.untyped_data(), nullptr, nullptr, nullptr, n}, m,
+                 x, extra, y, prologue, eps, residual);
+}
+
+ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q, F32Vector scale, F32Vector x,
+                      ffi::RemainingArgs extra, F32Result y, int32_t prologue, float eps,
+                      int32_t residual) {
+  const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
   if (scale.dimensions().size() != 1 || scale.dimensions()[0] != m)
     return ffi::Error::InvalidArgument("jllama matvec_int8: scale must be f32[m]");
-  run(pool, Product{rows_int8, q.typed_data(), scale.typed_data(), x.typed_data(),
-                    y->typed_data(), n}, m);
-  return ffi::Error::Success();
+  return product(pool, Product{rows_int8, q.typed_data(), scale.typed_data(), nullptr, nullptr, n},
+                 m, x, extra, y, prologue, eps, residual);
 }
 
 
@@ -292,26 +436,6 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q,
 // and masks the unused positions; this one reads only positions 0 .. pos and is one call per
 // layer in place of about fifteen small programs (bench/NOTES.md).
 
-// exp(x) for x <= 0 (scores minus their maximum) to about 1 ulp: x = n ln2 + r with |r| <=
-// ln2 / 2, exp(r) as its Taylor polynomial of degree 7 (error < 5e-9), times 2^n.
-#if JLLAMA_AVX512
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below: exp underflows to 0 anyway
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high part
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // and the rest
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // One layer's cache as blocks of `block` positions: block b is blocks[b], except block `cur`,
 // which is given apart (the decode loop writes it in the same program).
@@ -333,23 +457,6 @@ struct Attention {
   Cache keys, values;
   int64_t n_kv, kv_mul, head_dim, pos;
 };
-
-// sum_d a[d] * b[d] in 16 lanes then the tree of halve16 (a fixed order).
-inline float dot_head(const float* a, const float* b, int64_t n) {
-#if JLLAMA_AVX512
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += 16) {
-    __mmask16 keep = n - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - d)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, a + d), _mm512_maskz_loadu_ps(keep, b + d),
-                          acc);
-  }
-  return halve16(acc);
-#else
-  float acc[16] = {0};
-  for (int64_t d = 0; d < n; ++d) acc[d % 16] += a[d] * b[d];
-  return halve16(acc);
-#endif
-}
 
 // The query heads of key heads [begin, end): one thread per key head, so the result does not
 // depend on the thread count.
@@ -529,26 +636,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_f32, MatvecF32,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<F32Matrix>()
                                   .Arg<F32Vector>()
-                                  .Ret<F32Vector>());
+                                  .RemainingArgs()
+                                  .Ret<F32Vector>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("residual"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_bf16, MatvecBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Bf16Matrix>()
                                   .Arg<F32Vector>()
-                                  .Ret<F32Vector>());
+                                  .RemainingArgs()
+                                  .Ret<F32Vector>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("residual"));
 
 ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale, F32Vector x,
-                            F32Result y) {
-  int64_t m = q.dimensions()[0], n = q.dimensions()[1];
-  if (ffi::Error e = check(m, n, x.dimensions(), y->dimensions()); e.failure()) return e;
-  int64_t groups = scale.dimensions()[1];
+                            ffi::RemainingArgs extra, F32Result y, int32_t prologue, float eps,
+                            int32_t residual) {
+  const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
+  const int64_t groups = scale.dimensions()[1];
   if (scale.dimensions()[0] != m || groups < 1 || n % groups != 0)
     return ffi::Error::InvalidArgument(
         "jllama matvec_int8_groups: scale must be f32[m, G] with G dividing n");
-  run(pool, Product{rows_int8_groups, q.typed_data(), scale.typed_data(), x.typed_data(),
-                    y->typed_data(), n, groups}, m);
-  return ffi::Error::Success();
+  return product(pool, Product{rows_int8_groups, q.typed_data(), scale.typed_data(), nullptr,
+                               nullptr, n, groups}, m, x, extra, y, prologue, eps, residual);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8_groups, MatvecInt8Groups,
@@ -557,7 +671,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8_groups, MatvecInt8Groups,
                                   .Arg<Int8Matrix>()
                                   .Arg<F32Matrix>()
                                   .Arg<F32Vector>()
-                                  .Ret<F32Vector>());
+                                  .RemainingArgs()
+                                  .Ret<F32Vector>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("residual"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8, MatvecInt8,
                               ffi::Ffi::Bind()
@@ -565,7 +683,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8, MatvecInt8,
                                   .Arg<Int8Matrix>()
                                   .Arg<F32Vector>()
                                   .Arg<F32Vector>()
-                                  .Ret<F32Vector>());
+                                  .RemainingArgs()
+                                  .Ret<F32Vector>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("residual"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_attention_f32, AttentionF32,
                               ffi::Ffi::Bind()
