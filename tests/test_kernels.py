@@ -522,6 +522,30 @@ def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
     assert "building" not in again.stderr and again.stdout == done.stdout
 
 
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 33, 32000, 49152])
+def test_argmax_is_runs_first_index_of_the_maximum(n):
+    """`kernels.argmax` against NumPy's argmax (the first index of the maximum, as run.c's
+    strict `>` scan): random logits, the maximum repeated later (and in the scalar tail), all
+    equal; and every single inf or NaN, in the vector part or the tail, reported as not
+    finite."""
+    kernels.load()
+    run = jax.jit(kernels.argmax)
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    cases = [x, np.zeros(n, np.float32), np.full(n, -3e38, np.float32)]
+    tied = x.copy()
+    tied[[n // 3, n - 1]] = x.max() + 1  # the first of them wins
+    cases.append(tied)
+    for logits in cases:
+        token, finite = run(logits)
+        assert int(token) == int(np.argmax(logits)) and bool(finite) is True
+    for where in {0, n // 2, n - 1}:
+        for bad in (np.inf, -np.inf, np.nan):
+            logits = x.copy()
+            logits[where] = bad
+            assert bool(run(logits)[1]) is False
+
+
 _SHAPES = [(1, 1), (3, 5), (300, 288), (4099, 576), (70, 1536)]
 
 
@@ -624,7 +648,7 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
     lib = ctypes.CDLL(str(library.build(march=march)))
     names = {}
     symbols = {**kernels.TARGETS, "int8_groups": kernels.GROUPED_INT8,
-               "attention": kernels.ATTENTION}
+               "attention": kernels.ATTENTION, "argmax": kernels.ARGMAX}
     for dtype, symbol in symbols.items():
         names[dtype] = f"{symbol}_{march.replace('-', '_')}"
         jax.ffi.register_ffi_target(names[dtype], jax.ffi.pycapsule(getattr(lib, symbol)),
@@ -661,6 +685,14 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
             got = np.asarray(jax.ffi.ffi_call(names["int8_groups"], out)(
                 jnp.asarray(wg.q), jnp.asarray(wg.scale), jnp.asarray(x), **_PLAIN))
             assert np.all(np.abs(got - _reference(wg, x)) <= _bound(np.asarray(wg, np.float32), x))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    for n in (1, 17, 32000):
+        logits = rng.standard_normal(n).astype(np.float32)
+        logits[n // 2] = logits[n - 1] = logits.max() + 1
+        token, finite = jax.ffi.ffi_call(names["argmax"], (scalar, scalar))(jnp.asarray(logits))
+        assert (int(token), int(finite)) == (int(np.argmax(logits)), 1)
+        logits[n - 1] = np.nan
+        assert int(jax.ffi.ffi_call(names["argmax"], (scalar, scalar))(jnp.asarray(logits))[1]) == 0
     for case in [(3, 3, 64, 256, 2, 300, 1), (2, 4, 20, 16, 4, 50, None)]:
         args, expected = _attention_case(rng, *case)
         if case[-1] is None:  # the graph mode's form: no block given apart

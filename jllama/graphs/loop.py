@@ -204,8 +204,11 @@ def decode_loop(
         i, tok, p, kcs, vcs, _, out = carry
         x, kcs, vcs = layer_pass(_embedding_row(embedding, tok), p, kcs, vcs)
         logits = classifier.__wrapped__(c, x, rms_final_weight, wcls, matvec=matvec)
-        finite = jnp.all(jnp.isfinite(logits))
-        nxt = sample_on_device(logits, kind, temperature, top_p, coins[i], matvec)
+        if kind == "greedy" and matvec == "kernel":  # both in one kernel call
+            nxt, finite = kernels.argmax(logits)
+        else:
+            finite = jnp.all(jnp.isfinite(logits))
+            nxt = sample_on_device(logits, kind, temperature, top_p, coins[i], matvec)
         # Non-finite logits record nothing and stop: the host reports them.
         out = jnp.where(finite, out.at[i].set(nxt), out)
         stopped = ~finite | jnp.any(nxt == stop_ids)

@@ -13,6 +13,7 @@ about float32's bytes per second (int8: 231 tok/s) and float32 at least as fast 
                   optionally with RMSNorm or SwiGLU before it and a residual add after
   attention(...)  one token's attention over a layer's cache blocks, positions 0 .. pos only
   sample(...)     one token drawn as run.c's sampler (and the host's `Sampler`), bit for bit
+  argmax(logits)  greedy decoding's token (run.c's argmax) and whether every logit is finite
 
 Only for one CPU device: under tensor parallelism XLA's partitioner cannot split a custom
 call, so split programs keep `jnp.dot`; other platforms never lower these targets.
@@ -41,12 +42,14 @@ ATTENTION = SYMBOLS[4]
 """The handler for one token's attention over float32 cache blocks."""
 SAMPLE = SYMBOLS[5]
 """The handler for drawing one token from logits as run.c's sampler."""
+ARGMAX = SYMBOLS[6]
+"""The handler for greedy decoding's pick and the check that every logit is finite."""
 
 PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
 """The matvec handlers' `prologue` attribute (`matvec.cc`): x as given, RMSNorm(x) * norm,
 silu(x) * gate."""
 
-__all__ = ["MATVEC_MODES", "KernelBuildError", "attention", "load", "matvec", "sample"]
+__all__ = ["MATVEC_MODES", "KernelBuildError", "argmax", "attention", "load", "matvec", "sample"]
 
 
 @functools.cache
@@ -192,3 +195,21 @@ def sample(logits: jax.Array, temperature, top_p, coin) -> jax.Array:
     return jax.ffi.ffi_call(SAMPLE, jax.ShapeDtypeStruct((), jnp.int32))(
         f32(logits), f32(temperature), f32(top_p), f32(coin)
     )
+
+
+def argmax(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Greedy decoding's token, as llama2.c run.c's `argmax` (the first index of the maximum),
+    and whether every logit is finite, by jllama's CPU kernel in one call (XLA needed four or
+    five programs over the logits). For tracing inside a jitted program (call `load()` first).
+
+    Args:
+      logits: f32[vocab_size].
+
+    Returns:
+      (token: int32 scalar, finite: bool scalar). When some logit is inf or NaN the token is 0
+      and means nothing.
+    """
+    token, finite = jax.ffi.ffi_call(
+        ARGMAX, (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    )(logits.astype(jnp.float32))
+    return token, finite != 0

@@ -629,7 +629,59 @@ ffi::Error SampleF32(F32Vector logits, F32Scalar temperature, F32Scalar top_p, F
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Greedy decoding's pick, as run.c's argmax (the first index of the maximum), and whether every
+// logit is finite, in two passes over the logits instead of XLA's four or five programs.
+
+ffi::Error ArgmaxF32(F32Vector logits, S32Result token, S32Result finite) {
+  const int64_t n = logits.dimensions()[0];
+  if (n < 1) return ffi::Error::InvalidArgument("jllama argmax: no logits");
+  const float* v = logits.typed_data();
+  float top = v[0];
+  bool all_finite = true;
+  int64_t i = 0;
+#if JLLAMA_AVX512
+  __m512 best = _mm512_set1_ps(v[0]);
+  __mmask16 bad = 0;  // lanes that saw inf or NaN: x - x is NaN exactly there
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_loadu_ps(v + i);
+    bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_sub_ps(x, x), _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, x);
+  }
+  all_finite = bad == 0;
+  top = _mm512_reduce_max_ps(best);
+#endif
+  for (; i < n; ++i) {
+    all_finite = all_finite && std::isfinite(v[i]);
+    top = std::max(top, v[i]);
+  }
+  *finite->typed_data() = all_finite ? 1 : 0;
+  // With every logit finite, the first one equal to the maximum; otherwise it is not used.
+  int64_t pick = 0;
+  if (all_finite) {
+#if JLLAMA_AVX512
+    const __m512 t = _mm512_set1_ps(top);
+    for (; pick + 16 <= n; pick += 16) {
+      __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + pick), t, _CMP_EQ_OQ);
+      if (hit != 0) {
+        pick += __builtin_ctz(hit);
+        break;
+      }
+    }
+#endif
+    while (v[pick] != top) ++pick;
+  }
+  *token->typed_data() = static_cast<int32_t>(pick);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_argmax_f32, ArgmaxF32,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32Vector>()
+                                  .Ret<S32Scalar>()
+                                  .Ret<S32Scalar>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_f32, MatvecF32,
                               ffi::Ffi::Bind()
