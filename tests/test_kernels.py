@@ -546,6 +546,34 @@ def test_argmax_is_runs_first_index_of_the_maximum(n):
             assert bool(run(logits)[1]) is False
 
 
+def test_products_from_several_threads_at_once_finish_with_the_same_bits():
+    """Three Python threads run parallel-sized products (and attention-free chains of them)
+    at the same time, 50 times each: every call returns, within a minute, the bits of the same
+    product run alone. The kernels' helper threads take whichever product was offered last; a
+    caller claims what is left of its own, so concurrent products neither deadlock nor mix."""
+    import threading
+
+    kernels.load()
+    rng = np.random.default_rng(5)
+    mats = [jnp.asarray(rng.standard_normal((m, 576), dtype=np.float32)) for m in (700, 1536, 4099)]
+    x = jnp.asarray(rng.standard_normal(576, dtype=np.float32))
+    chain = jax.jit(lambda w, x: kernels.matvec(w, kernels.matvec(w, x, add=None)[:576] + x))
+    alone = [np.asarray(chain(w, x)) for w in mats]
+    failures = []
+
+    def work(i):
+        for _ in range(50):
+            if not np.array_equal(np.asarray(chain(mats[i], x)), alone[i]):
+                failures.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and failures == []
+
+
 _SHAPES = [(1, 1), (3, 5), (300, 288), (4099, 576), (70, 1536)]
 
 

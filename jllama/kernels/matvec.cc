@@ -28,17 +28,21 @@
 // and bf16 at about the bytes/s of f32, and f32 at least as fast as XLA's dot (memory-bound;
 // bench/NOTES.md has the measurements).
 //
-// Threads: the rows are cut into chunks that the caller and tasks on XLA's intra-op thread pool
-// claim from a shared counter. The caller works too and waits only for chunks another thread
-// has already claimed, so a product never waits for a task that has not started: two products
-// running side by side on a pool of two threads cannot deadlock.
+// Threads: the rows are cut into chunks that the caller and jllama's helper threads (one fewer
+// than XLA's intra-op pool has threads; `Helpers`) claim from a shared counter. The caller works
+// too and waits only for chunks another thread has already claimed, so a product never waits
+// for a helper that has not started: two products running side by side cannot deadlock, and a
+// product finishes even with no helper at all.
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -280,7 +284,7 @@ void rows_int8(const Product& p, int64_t begin, int64_t end) {
   else
     for (int64_t r = begin; r < end; ++r) p.y[r] = dot<int8_t, false>(q + r * p.n, p.x, p.n) * p.scale[r];
 }
-// Shared between the caller and the pool tasks; a task may start after the product is done,
+// Shared between the caller and the helpers; a helper may start after the product is done,
 // so the state lives as long as its last holder.
 struct Work {
   Product product;
@@ -300,6 +304,83 @@ struct Work {
   }
 };
 
+// jllama's own helper threads for the products, one fewer than XLA's intra-op pool has (the
+// caller is the other). Between products they spin on a counter for a few milliseconds, then
+// sleep. Why not XLA's pool: its tasks woke a second, idle pool thread about twice a token,
+// which spun while the caller and the task's thread worked, so three threads shared two cores
+// and the caller lost its core in the middle of its rows (~2 involuntary context switches a
+// token, stalls of tens of microseconds; bench/NOTES.md). A decode keeps exactly as many
+// threads busy as there are cores, as OpenMP does for run.c.
+//
+// A helper may take an offered product late or never; `Work::help` lets whoever comes claim
+// what is left, and a caller only waits for chunks already claimed, so a product finishes even
+// with no helper at all (e.g. in a child process after fork).
+class Helpers {
+ public:
+  // The helpers for `threads` threads in all, started on first use; leaked on purpose, as
+  // threads that live until the process exits.
+  static Helpers& get(int64_t threads) {
+    static Helpers* helpers = new Helpers(threads - 1);
+    return *helpers;
+  }
+
+  // Makes `work` the product helpers pick up next, waking any that sleep.
+  void offer(const std::shared_ptr<Work>& work) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      offered_ = work;
+    }
+    generation_.fetch_add(1);  // sequentially consistent with `sleeping_` below
+    if (sleeping_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      wake_.notify_all();
+    }
+  }
+
+  // Drops the offer of a finished product (so it does not outlive its caller's wait).
+  void withdraw(const Work* work) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (offered_.get() == work) offered_.reset();
+  }
+
+ private:
+  explicit Helpers(int64_t count) {
+    for (int64_t i = 0; i < count; ++i) std::thread([this] { serve(); }).detach();
+  }
+
+  void serve() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      auto spin_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(kSpinMs);
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+#if defined(__x86_64__) || defined(_M_X64)
+        _mm_pause();
+#endif
+        if ((spins & 255) == 255 && std::chrono::steady_clock::now() > spin_until) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          sleeping_.fetch_add(1);
+          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          sleeping_.fetch_sub(1);
+        }
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      std::shared_ptr<Work> work;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        work = offered_;
+      }
+      if (work) work->help();
+    }
+  }
+
+  static constexpr int kSpinMs = 5;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::shared_ptr<Work> offered_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleeping_{0};
+};
+
 void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (threads == 1 || m * product.n < kMinParallelWeights || m < 2) {
@@ -315,11 +396,12 @@ void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
   work->chunks = std::min<int64_t>(m, threads * kChunksPerThread);
   work->chunk = (m + work->chunks - 1) / work->chunks;
   work->chunks = (m + work->chunk - 1) / work->chunk;
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([work] { work->help(); });
+  Helpers& helpers = Helpers::get(threads);
+  helpers.offer(work);
   work->help();
-  // Every chunk is claimed by now; wait for the ones other threads are still running.
-  // Spin briefly (the other chunks finish within microseconds), then yield: on fewer cores
-  // than pool threads the thread we wait for may need this core.
+  // Every chunk is claimed by now; wait for the ones a helper is still running. Spin briefly
+  // (they finish within microseconds), then yield: on fewer cores than threads the helper we
+  // wait for may need this core.
   for (int spins = 0; work->done.load(std::memory_order_acquire) < work->chunks; ++spins) {
     if (spins < 4096) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -329,6 +411,7 @@ void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
       std::this_thread::yield();
     }
   }
+  helpers.withdraw(work.get());
 }
 
 // RMSNorm as llama2.c run.c: out = weight * (x / sqrt(mean(x^2) + eps)), the sum of squares in
