@@ -71,8 +71,12 @@ constexpr int kLanes = 64;
 // Below this many weights a product runs on the calling thread alone: scheduling a task costs
 // a few microseconds, more than such a product takes.
 constexpr int64_t kMinParallelWeights = 1 << 16;
-// Chunks per thread: uneven progress between threads then costs at most a fraction of a chunk.
-constexpr int64_t kChunksPerThread = 4;
+// Chunks per thread: one, a contiguous share of the rows each, as OpenMP's static schedule
+// gives run.c. Each chunk starts a new stream that the prefetchers must pick up again:
+// stories15M's small products decoded at 800 / 780 / 752 / 631 tok/s with 1 / 2 / 4 / 16
+// chunks per thread (medians of 8 alternated runs in one process; bench/NOTES.md). A helper
+// that starts late finds its chunk already taken by the caller, which then waits for no one.
+constexpr int64_t kChunksPerThread = 1;
 
 // Halves 16 partial sums as a tree (k with k + 8, then + 4, + 2, + 1) into s[0].
 inline float halve16(float* s) {
