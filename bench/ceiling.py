@@ -37,12 +37,13 @@ SOURCE = HERE / "stream_read.cc"
 
 def f32_bytes_per_token(config) -> int:
     """Bytes of f32 weights one decode step reads: every layer's matrices and norms, the
-    classifier, the final norm and one embedding row (as `worker.streamed_bytes_per_token`
-    counts the arrays jllama holds)."""
+    final norm, the classifier, and one embedding row when the table is not the classifier
+    (as `worker.streamed_bytes_per_token` counts the arrays jllama holds)."""
     c = config
     layer = c.dim * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.dim + 3 * c.dim * c.hidden_dim
     layer += 2 * c.dim
-    return 4 * (c.n_layers * layer + c.vocab_size * c.dim + c.dim + c.dim)
+    row = 0 if c.shared_weights else c.dim
+    return 4 * (c.n_layers * layer + c.dim + c.vocab_size * c.dim + row)
 
 
 def build(cache: Path) -> Path:

@@ -6,6 +6,7 @@ processes on the embedded stories260K model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -124,3 +125,31 @@ def test_end_to_end_json_lines_parse_and_tabulate(tmp_path):
     table.plot(records, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert read_header(shapes.checkpoint(shapes.get_shape("stories260K"), tmp_path)).dim == 64
+
+
+def test_ceiling_counts_a_tokens_f32_bytes():
+    """By hand, stories15M (dim 288, hidden 768, 6 layers, q_dim = kv_dim = 288, 32000 tokens,
+    classifier shared with the embedding): a layer is 288 * 864 + 288 * 288 + 3 * 288 * 768 +
+    2 * 288 = 995904 floats, six are 5975424, plus the final norm 288 and the classifier
+    9216000: 15191712 floats, 60766848 bytes. TinyLlama's own classifier adds one embedding
+    row (2048 floats)."""
+    import ceiling
+
+    assert ceiling.f32_bytes_per_token(shapes.get_shape("stories15M").config()) == 60766848
+    tiny = shapes.get_shape("TinyLlama-1.1B").config()
+    shared = dataclasses.replace(tiny, shared_weights=True)
+    assert ceiling.f32_bytes_per_token(tiny) - ceiling.f32_bytes_per_token(shared) == 4 * 2048
+
+
+def test_stream_read_prints_each_way_and_the_best(tmp_path):
+    import ceiling
+
+    binary = ceiling.build(tmp_path)
+    done = subprocess.run([str(binary), "1048576", "2"], capture_output=True, text=True,
+                          check=True)
+    read = json.loads(done.stdout)
+    ways = {k: v for k, v in read.items() if k.endswith("_gb_s") and k != "best_gb_s"}
+    assert len(ways) == 7 and read["best_gb_s"] == max(ways.values()) > 0
+    assert read["bytes"] == 1048576
+    bad = subprocess.run([str(binary), "0", "1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "BYTES" in bad.stderr
