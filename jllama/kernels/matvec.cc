@@ -451,7 +451,7 @@ ffi::Error check(int64_t m, int64_t n, const ffi::AnyBuffer::Dimensions& x,
 }
 
 // *out = the vector extra[k], which must be f32[length].
-ffi::Error vector(ffi::RemainingArgs& extra, size_t k, int64_t length, const float** out) {
+ffi::Error extra_vector(ffi::RemainingArgs& extra, size_t k, int64_t length, const float** out) {
   auto v = extra.get<F32Vector>(k);
   if (v.has_error()) return v.error();
   if (v->dimensions()[0] != length)
@@ -475,7 +475,7 @@ ffi::Error product(ffi::ThreadPool& pool, Product p, int64_t m, F32Vector& x,
   p.x = x.typed_data();
   if (prologue != kPlain) {
     const float* aux;
-    if (ffi::Error e = vector(extra, 0, p.n, &aux); e.failure()) return e;
+    if (ffi::Error e = extra_vector(extra, 0, p.n, &aux); e.failure()) return e;
     prepared.reset(new float[p.n]);
     if (prologue == kRmsNorm) rmsnorm(p.x, aux, eps, p.n, prepared.get());
     else swiglu(p.x, aux, p.n, prepared.get());
@@ -483,7 +483,7 @@ ffi::Error product(ffi::ThreadPool& pool, Product p, int64_t m, F32Vector& x,
   }
   const float* add = nullptr;
   if (residual != 0)
-    if (ffi::Error e = vector(extra, extra.size() - 1, m, &add); e.failure()) return e;
+    if (ffi::Error e = extra_vector(extra, extra.size() - 1, m, &add); e.failure()) return e;
   p.y = y->typed_data();
   run(pool, p, m);
   if (add != nullptr)
