@@ -43,6 +43,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -349,7 +350,14 @@ class Helpers {
 
  private:
   explicit Helpers(int64_t count) {
-    for (int64_t i = 0; i < count; ++i) std::thread([this] { serve(); }).detach();
+    // A thread that cannot be started leaves fewer helpers: the callers do their rows alone.
+    for (int64_t i = 0; i < count; ++i) {
+      try {
+        std::thread([this] { serve(); }).detach();
+      } catch (const std::system_error&) {
+        break;
+      }
+    }
   }
 
   void serve() {
