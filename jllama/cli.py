@@ -289,9 +289,11 @@ def main(argv: list[str]) -> int:
         _no_arguments("serve", args)
         return _serve()
     if command is not None:
+        # `chat` reads like a command next to `serve`, but it is a mode of the main job.
+        hint = f"; for {command}, pass --mode={command}" if command in ("chat", "generate") else ""
         raise JllamaError(
             f"unexpected argument {command!r} (commands: fetch, tokenize, convert, serve; flags take the form "
-            "--name=value)"
+            f"--name=value{hint})"
         )
     if FLAGS.threads:
         runtime.limit_cpu_threads(FLAGS.threads)

@@ -140,6 +140,7 @@ def _assert_one_line_error(result, *needles):
         (["--no_such_flag"], ["no_such_flag"]),
         (["--flagfile=/no/such.flags"], ["/no/such.flags"]),
         (["story"], ["unexpected argument", "story"]),
+        (["chat"], ["unexpected argument", "'chat'", "pass --mode=chat"]),
         (["--checkpoint=/no/such/model.bin"], ["/no/such/model.bin", "no such file"]),
         ([f"--tokenizer={TOKENIZER_32K}"], ["tokenizer.bin", "32000", "512"]),
         (["--tokenizer=/no/such/tok.bin"], ["/no/such/tok.bin"]),
