@@ -523,6 +523,18 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q, F32Vector scale, F32Ve
                  m, x, extra, y, prologue, eps, residual);
 }
 
+ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale, F32Vector x,
+                            ffi::RemainingArgs extra, F32Result y, int32_t prologue, float eps,
+                            int32_t residual) {
+  const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
+  const int64_t groups = scale.dimensions()[1];
+  if (scale.dimensions()[0] != m || groups < 1 || n % groups != 0)
+    return ffi::Error::InvalidArgument(
+        "jllama matvec_int8_groups: scale must be f32[m, G] with G dividing n");
+  return product(pool, Product{rows_int8_groups, q.typed_data(), scale.typed_data(), nullptr,
+                               nullptr, n, groups}, m, x, extra, y, prologue, eps, residual);
+}
+
 
 // ---------------------------------------------------------------------------------------------
 // Attention of one token over a layer's cache (decode), as llama2.c run.c: for each query head
@@ -770,6 +782,19 @@ ffi::Error ArgmaxF32(F32Vector logits, S32Result token, S32Result finite) {
   return ffi::Error::Success();
 }
 
+// The arguments and attributes every matvec handler takes after its weights and x: the
+// prologue's and the residual's vectors, the result, then `prologue`, `eps` and `residual`
+// (`jllama.kernels.matvec` passes them; see `product`).
+template <typename Binding>
+auto with_prologue(Binding binding) {
+  return std::move(binding)
+      .RemainingArgs()
+      .template Ret<F32Vector>()
+      .template Attr<int32_t>("prologue")
+      .template Attr<float>("eps")
+      .template Attr<int32_t>("residual");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_argmax_f32, ArgmaxF32,
@@ -779,62 +804,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_argmax_f32, ArgmaxF32,
                                   .Ret<S32Scalar>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_f32, MatvecF32,
-                              ffi::Ffi::Bind()
+                              with_prologue(ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<F32Matrix>()
-                                  .Arg<F32Vector>()
-                                  .RemainingArgs()
-                                  .Ret<F32Vector>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("residual"));
+                                  .Arg<F32Vector>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_bf16, MatvecBf16,
-                              ffi::Ffi::Bind()
+                              with_prologue(ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Bf16Matrix>()
-                                  .Arg<F32Vector>()
-                                  .RemainingArgs()
-                                  .Ret<F32Vector>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("residual"));
-
-ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale, F32Vector x,
-                            ffi::RemainingArgs extra, F32Result y, int32_t prologue, float eps,
-                            int32_t residual) {
-  const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
-  const int64_t groups = scale.dimensions()[1];
-  if (scale.dimensions()[0] != m || groups < 1 || n % groups != 0)
-    return ffi::Error::InvalidArgument(
-        "jllama matvec_int8_groups: scale must be f32[m, G] with G dividing n");
-  return product(pool, Product{rows_int8_groups, q.typed_data(), scale.typed_data(), nullptr,
-                               nullptr, n, groups}, m, x, extra, y, prologue, eps, residual);
-}
+                                  .Arg<F32Vector>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8_groups, MatvecInt8Groups,
-                              ffi::Ffi::Bind()
+                              with_prologue(ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Int8Matrix>()
                                   .Arg<F32Matrix>()
-                                  .Arg<F32Vector>()
-                                  .RemainingArgs()
-                                  .Ret<F32Vector>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("residual"));
+                                  .Arg<F32Vector>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8, MatvecInt8,
-                              ffi::Ffi::Bind()
+                              with_prologue(ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Int8Matrix>()
                                   .Arg<F32Vector>()
-                                  .Arg<F32Vector>()
-                                  .RemainingArgs()
-                                  .Ret<F32Vector>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("residual"));
+                                  .Arg<F32Vector>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_attention_f32, AttentionF32,
                               ffi::Ffi::Bind()
