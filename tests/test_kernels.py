@@ -119,6 +119,20 @@ def test_matvec_error_bound_property(m, n, kind, seed, scale):
     assert np.all(np.abs(got - _reference(w, x)) <= _bound(np.asarray(w, np.float32), x))
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 1200), extra=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1))
+def test_products_split_over_threads_compute_every_row(n, extra, seed):
+    # >= 65536 weights: the rows are shared out in blocks that a thread done with its own share
+    # takes from the back of the other's. Fresh weights each example, so a row left unwritten
+    # (or written from another row) cannot pass by holding an earlier call's value.
+    m = max(2, -(-65536 // n)) + extra
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((m, n), dtype=np.float32)
+    x = rng.standard_normal(n).astype(np.float32)
+    got = np.asarray(_matvec(jnp.asarray(w), jnp.asarray(x)))
+    assert np.all(np.abs(got - _reference(w, x)) <= _bound(w, x))
+
+
 def test_matvec_by_hand():
     w = np.array([[1, 2, 3], [-4, 5, 0.5]], np.float32)
     x = np.array([1, 10, 100], np.float32)

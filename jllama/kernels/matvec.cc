@@ -28,11 +28,12 @@
 // and bf16 at about the bytes/s of f32, and f32 at least as fast as XLA's dot (memory-bound;
 // bench/NOTES.md has the measurements).
 //
-// Threads: the rows are cut into chunks that the caller and jllama's helper threads (one fewer
-// than XLA's intra-op pool has threads; `Helpers`) claim from a shared counter. The caller works
-// too and waits only for chunks another thread has already claimed, so a product never waits
-// for a helper that has not started: two products running side by side cannot deadlock, and a
-// product finishes even with no helper at all.
+// Threads: each thread (the caller and jllama's helper threads, one fewer than XLA's intra-op
+// pool has threads; `Helpers`) owns a contiguous share of the rows, cut into blocks, and takes
+// them from the front; a thread whose share is done takes blocks from the back of the others'.
+// The caller works too and waits only for blocks another thread has already taken, so a
+// product never waits for a helper that has not started: two products running side by side
+// cannot deadlock, and a product finishes even with no helper at all.
 
 #include <algorithm>
 #include <atomic>
@@ -72,12 +73,14 @@ constexpr int kLanes = 64;
 // Below this many weights a product runs on the calling thread alone: scheduling a task costs
 // a few microseconds, more than such a product takes.
 constexpr int64_t kMinParallelWeights = 1 << 16;
-// Chunks per thread: one, a contiguous share of the rows each, as OpenMP's static schedule
-// gives run.c. Each chunk starts a new stream that the prefetchers must pick up again:
-// stories15M's small products decoded at 800 / 780 / 752 / 631 tok/s with 1 / 2 / 4 / 16
-// chunks per thread (medians of 8 alternated runs in one process; bench/NOTES.md). A helper
-// that starts late finds its chunk already taken by the caller, which then waits for no one.
-constexpr int64_t kChunksPerThread = 1;
+// Rows are taken in blocks of about this many weights (32 KiB of f32). Each thread owns one
+// contiguous share, as OpenMP's static schedule gives run.c, so its weights stream without a
+// restart (more chunks per thread decoded stories15M slower: 800 / 780 / 752 / 631 tok/s for
+// 1 / 2 / 4 / 16); the blocks only let a thread that finishes first take the last blocks of
+// the other's share. In-process A/B against one share per thread (bench/NOTES.md): stories110M
+// +1-4% in the machine's fast minutes, SmolLM2 +1%, stories15M even (blocks of 64 KiB and more
+// cost it 2-20%).
+constexpr int64_t kBlockWeights = 1 << 13;
 
 // Halves 16 partial sums as a tree (k with k + 8, then + 4, + 2, + 1) into s[0].
 inline float halve16(float* s) {
@@ -292,21 +295,61 @@ void rows_int8(const Product& p, int64_t begin, int64_t end) {
 // Shared between the caller and the helpers; a helper may start after the product is done,
 // so the state lives as long as its last holder.
 struct Work {
-  Product product;
-  int64_t m, chunk, chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  // One thread's share of the blocks: [front, end) packed as end << 32 | front, so its owner
+  // (from the front) and the others (from the back) take blocks with one compare-exchange.
+  // A cache line each: the owners' updates must not contend.
+  struct alignas(64) Share {
+    std::atomic<uint64_t> range;
+  };
 
-  // Claims and runs chunks until none is left.
-  void help() {
-    for (;;) {
-      int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= chunks) return;
-      int64_t begin = c * chunk;
-      product.rows(product, begin, std::min(m, begin + chunk));
-      done.fetch_add(1, std::memory_order_release);
+  Product product;
+  int64_t m = 0, block = 1, shares = 0;
+  std::unique_ptr<Share[]> share;
+  std::atomic<int64_t> arrived{0};  // which share the next thread to arrive owns
+  std::atomic<int64_t> rows_done{0};
+
+  Work(const Product& p, int64_t rows, int64_t threads) : product(p), m(rows) {
+    block = std::max<int64_t>(1, kBlockWeights / std::max<int64_t>(1, p.n));
+    const int64_t blocks = (m + block - 1) / block;
+    shares = std::min(threads, blocks);
+    share.reset(new Share[shares]);
+    for (int64_t i = 0; i < shares; ++i) {
+      const uint64_t front = blocks * i / shares, end = blocks * (i + 1) / shares;
+      share[i].range.store(end << 32 | front, std::memory_order_relaxed);
     }
   }
+
+  static int64_t take(std::atomic<uint64_t>& range, bool from_front) {
+    uint64_t v = range.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = v & 0xFFFFFFFFu, end = v >> 32;
+      if (front >= end) return -1;
+      const uint64_t next = from_front ? v + 1 : (end - 1) << 32 | front;
+      if (range.compare_exchange_weak(v, next, std::memory_order_relaxed))
+        return static_cast<int64_t>(from_front ? front : end - 1);
+    }
+  }
+
+  int64_t run_block(int64_t b) {
+    const int64_t begin = b * block, end = std::min(m, begin + block);
+    product.rows(product, begin, end);
+    return end - begin;
+  }
+
+  // Runs the blocks of the next unowned share, then whatever is left of the others'.
+  void help() {
+    const int64_t id = arrived.fetch_add(1, std::memory_order_relaxed);
+    int64_t rows = 0;
+    if (id < shares)
+      for (int64_t b; (b = take(share[id].range, true)) >= 0;) rows += run_block(b);
+    for (int64_t k = 1; k <= shares; ++k)
+      for (int64_t b; (b = take(share[(id + k) % shares].range, false)) >= 0;)
+        rows += run_block(b);
+    // Once per thread, not per block: a counter written by both cores every block cost ~7%.
+    if (rows > 0) rows_done.fetch_add(rows, std::memory_order_release);
+  }
+
+  bool finished() const { return rows_done.load(std::memory_order_acquire) >= m; }
 };
 
 // jllama's own helper threads for the products, one fewer than XLA's intra-op pool has (the
@@ -317,8 +360,8 @@ struct Work {
 // token, stalls of tens of microseconds; bench/NOTES.md). A decode keeps exactly as many
 // threads busy as there are cores, as OpenMP does for run.c.
 //
-// A helper may take an offered product late or never; `Work::help` lets whoever comes claim
-// what is left, and a caller only waits for chunks already claimed, so a product finishes even
+// A helper may take an offered product late or never; `Work::help` lets whoever comes take
+// what is left, and a caller only waits for blocks already taken, so a product finishes even
 // with no helper at all (e.g. in a child process after fork).
 class Helpers {
  public:
@@ -399,22 +442,18 @@ void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
     product.rows(product, 0, m);
     return;
   }
-  auto work = std::make_shared<Work>();
-  work->product = product;
+  Product streaming = product;
   // Products this big stream their weights from memory (a small model's whole set of weights
   // fits in L2 and never gets here).
-  work->product.stream = true;
-  work->m = m;
-  work->chunks = std::min<int64_t>(m, threads * kChunksPerThread);
-  work->chunk = (m + work->chunks - 1) / work->chunks;
-  work->chunks = (m + work->chunk - 1) / work->chunk;
+  streaming.stream = true;
+  auto work = std::make_shared<Work>(streaming, m, threads);
   Helpers& helpers = Helpers::get(threads);
   helpers.offer(work);
   work->help();
-  // Every chunk is claimed by now; wait for the ones a helper is still running. Spin briefly
+  // Every block is taken by now; wait for the ones a helper is still running. Spin briefly
   // (they finish within microseconds), then yield: on fewer cores than threads the helper we
   // wait for may need this core.
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->chunks; ++spins) {
+  for (int spins = 0; !work->finished(); ++spins) {
     if (spins < 4096) {
 #if defined(__x86_64__) || defined(_M_X64)
       _mm_pause();
