@@ -374,9 +374,9 @@ def test_kernel_and_xla_generate_the_same_story(stories260k):
 
 
 def test_the_compiled_programs_call_the_kernel_only_when_asked(stories260k):
-    """With matvec="kernel" the programs call the kernels, and hold no RMSNorm (`rsqrt`) and
-    no SwiGLU (its `exponential`) of XLA's: those run inside the products' calls. With "xla"
-    there is no kernel, and XLA's norm and SwiGLU are there."""
+    """With matvec="kernel" the programs call the kernels, and hold no RMSNorm (`rsqrt`), no
+    SwiGLU (its `exponential`) and no RoPE or cache update of XLA's: those run inside the
+    kernels' calls. With "xla" there is no kernel, and XLA's are there."""
     config, weights = stories260k
     x = jnp.zeros(config.dim)
     for matvec, expected in (("kernel", True), ("xla", False)):
@@ -391,6 +391,12 @@ def test_the_compiled_programs_call_the_kernel_only_when_asked(stories260k):
         ).as_text()
         assert ("jllama_matvec_f32" in hlo) is expected
         assert ("rsqrt" in hlo, "exponential" in hlo) == (not expected, not expected)
+        cache = jnp.zeros((config.n_kv_heads, b.block_length, config.head_dim))
+        hlo = graphs.qkv.lower(config, x, layer.rms_att_weight, layer.wqkv, cache, cache,
+                               jnp.int32(0), b.inv_freq, matvec=b.matvec).as_text()
+        # RoPE and the cache write: one kernel call, or XLA's cosine and update
+        assert ("jllama_rope_write_f32" in hlo) is expected
+        assert ("cosine" in hlo, "dynamic_update_slice" in hlo) == (not expected, not expected)
         head = graphs.classifier.lower(config, x, b.rms_final_weight, b.wcls,
                                        matvec=b.matvec).as_text()
         assert ("rsqrt" in head) is not expected
@@ -541,6 +547,74 @@ def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
     assert "jllama: building jllama's CPU kernels (once" in with_kernel.stderr  # an empty cache
     again = _cli(["--matvec=kernel"], {}, tmp_path)
     assert "building" not in again.stderr and again.stdout == done.stdout
+
+
+_rope_write = jax.jit(kernels.rope_write, donate_argnums=(3, 4))
+
+
+def _rope64(heads, pos, inv_freq) -> np.ndarray:
+    """run.c's RoPE in float64 on the float32 angle pos * inv_freq (as run.c forms it)."""
+    angle = (np.float32(pos) * np.asarray(inv_freq, np.float32)).astype(np.float64)
+    h = np.asarray(heads, np.float64)
+    v0, v1 = h[..., 0::2], h[..., 1::2]
+    out = np.empty_like(h)
+    out[..., 0::2] = v0 * np.cos(angle) - v1 * np.sin(angle)
+    out[..., 1::2] = v0 * np.sin(angle) + v1 * np.cos(angle)
+    return out
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv,head_dim,block,pos",
+    # stories15M's heads; GQA (SmolLM2's 3 query heads a key head) at a block's last slot,
+    # the next block's first and far on; head_dim 2; position 0 (no rotation).
+    [(6, 6, 48, 256, 77), (9, 3, 64, 256, 255), (9, 3, 64, 256, 256), (4, 2, 6, 8, 8 * 40 + 5),
+     (2, 1, 2, 4, 3), (6, 6, 48, 256, 0)],
+)
+def test_rope_write_agrees_with_numpy_and_writes_only_its_slot(n_heads, n_kv, head_dim, block,
+                                                                pos):
+    rng = np.random.default_rng(pos + head_dim)
+    qkv = rng.standard_normal((n_heads + 2 * n_kv) * head_dim).astype(np.float32)
+    keys = rng.standard_normal((n_kv, block, head_dim)).astype(np.float32)
+    values = rng.standard_normal((n_kv, block, head_dim)).astype(np.float32)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    q, k2, v2 = _rope_write(jnp.asarray(qkv), jnp.int32(pos), jnp.asarray(inv_freq),
+                            jnp.asarray(keys), jnp.asarray(values))
+    q, k2, v2 = np.asarray(q), np.asarray(k2), np.asarray(v2)
+    split = n_heads * head_dim, (n_heads + n_kv) * head_dim
+    want_q = _rope64(qkv[: split[0]].reshape(n_heads, head_dim), pos, inv_freq)
+    want_k = _rope64(qkv[split[0] : split[1]].reshape(n_kv, head_dim), pos, inv_freq)
+    assert np.all(np.abs(q - want_q) <= 2e-6 * (1 + np.abs(want_q)))
+    at = pos % block
+    assert np.all(np.abs(k2[:, at] - want_k) <= 2e-6 * (1 + np.abs(want_k)))
+    np.testing.assert_array_equal(v2[:, at], qkv[split[1] :].reshape(n_kv, head_dim))
+    others = np.arange(block) != at
+    np.testing.assert_array_equal(k2[:, others], keys[:, others])
+    np.testing.assert_array_equal(v2[:, others], values[:, others])
+
+
+def test_rope_write_by_hand():
+    # head_dim 2, one head of each: inv_freq pi/2 at pos 1 turns by a quarter: (1, 0) -> (0, 1),
+    # (0, 1) -> (-1, 0); the value is stored as given. At pos 2, half a turn.
+    inv_freq = jnp.asarray([np.pi / 2], jnp.float32)
+    qkv = jnp.asarray([1.0, 0.0, 0.0, 1.0, 5.0, -7.0], jnp.float32)
+    for pos, q_want, k_want in ((1, [0, 1], [-1, 0]), (2, [-1, 0], [0, -1])):
+        cache = jnp.zeros((1, 4, 2), jnp.float32)
+        q, k, v = _rope_write(qkv, jnp.int32(pos), inv_freq, cache, jnp.zeros((1, 4, 2)))
+        np.testing.assert_allclose(np.asarray(q), [q_want], atol=1e-6)
+        np.testing.assert_allclose(np.asarray(k)[0, pos], k_want, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(v)[0, pos], [5.0, -7.0])
+
+
+def test_rope_write_refuses_bad_arguments():
+    def cache():  # donated by each call
+        return jnp.zeros((2, 8, 4), jnp.float32)
+
+    with pytest.raises(Exception, match="negative pos"):
+        jax.block_until_ready(_rope_write(jnp.zeros(24), jnp.int32(-1), jnp.ones(2), cache(),
+                                          cache()))
+    with pytest.raises(Exception, match="do not agree"):  # inv_freq of the wrong length
+        jax.block_until_ready(_rope_write(jnp.zeros(24), jnp.int32(0), jnp.ones(3), cache(),
+                                          cache()))
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 33, 32000, 49152])

@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jllama import kernels
 from jllama.config import ModelConfig
 from jllama.graphs.ops import norm_matmul, rope, split_qkv
 
@@ -50,6 +51,8 @@ def qkv(
       shards: static; the number of groups wqkv's rows come in (`jllama.graphs.ops.split_qkv`):
         1 on one device, the device count under tensor parallelism.
       matvec: static; how the product runs, "xla" or "kernel" (`jllama.graphs.ops.matmul`).
+        With "kernel" on one device (shards == 1) RoPE and the cache write are one kernel
+        call too (`jllama.kernels.rope_write`: cosf / sinf as run.c, where XLA has its own).
 
     Returns:
       (q: f32[n_heads, head_dim] after RoPE, key_block, value_block updated at
@@ -58,6 +61,10 @@ def qkv(
     c = config
     with jax.named_scope("qkv"):
         qkv_out = norm_matmul(wqkv, x, rms_att_weight, c.norm_eps, matvec)
+    if matvec == "kernel" and shards == 1:
+        with jax.named_scope("rope_cache_write"):
+            return kernels.rope_write(qkv_out, pos, inv_freq, key_block, value_block)
+    with jax.named_scope("qkv"):
         q, k, v = split_qkv(c, qkv_out, shards)
     with jax.named_scope("rope"):
         q = rope(q, pos, inv_freq)

@@ -14,6 +14,7 @@ about float32's bytes per second (int8: 231 tok/s) and float32 at least as fast 
   attention(...)  one token's attention over a layer's cache blocks, positions 0 .. pos only
   sample(...)     one token drawn as run.c's sampler (and the host's `Sampler`), bit for bit
   argmax(logits)  greedy decoding's token (run.c's argmax) and whether every logit is finite
+  rope_write(...) one token's RoPE on q and k and its key and value written into the cache
 
 Only for one CPU device: under tensor parallelism XLA's partitioner cannot split a custom
 call, so split programs keep `jnp.dot`; other platforms never lower these targets.
@@ -44,6 +45,9 @@ SAMPLE = SYMBOLS[5]
 """The handler for drawing one token from logits as run.c's sampler."""
 ARGMAX = SYMBOLS[6]
 """The handler for greedy decoding's pick and the check that every logit is finite."""
+ROPE_WRITE = SYMBOLS[7]
+"""The handler for RoPE on one token's queries and keys plus the write of its key and value
+into the layer's cache block."""
 
 PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
 """The matvec handlers' `prologue` attribute (`matvec.cc`): x as given, RMSNorm(x) * norm,
@@ -213,3 +217,39 @@ def argmax(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         ARGMAX, (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     )(logits.astype(jnp.float32))
     return token, finite != 0
+
+
+def rope_write(
+    qkv: jax.Array, pos: jax.Array, inv_freq: jax.Array, key_block: jax.Array,
+    value_block: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token's RoPE and cache write by jllama's CPU kernel, in one call: the queries and
+    keys of the stacked QKV product rotated as llama2.c run.c (pair (2i, 2i + 1) of each head
+    by the float32 angle `pos * inv_freq[i]`, with cosf / sinf), the key and value stored at
+    `pos % block_length` of the cache blocks, which are updated in place (the call aliases each
+    to its result; donate them, or hold them in a loop's carry). For tracing inside a jitted
+    program (call `load()` first).
+
+    Args:
+      qkv: f32[(n_heads + 2 * n_kv_heads) * head_dim], wq's rows, then wk's, then wv's (one
+        device's stacked product, `jllama.graphs.ops.split_qkv` with shards=1).
+      pos: int32 scalar >= 0, the token's position.
+      inv_freq: f32[head_dim // 2], `jllama.rope.rope_frequencies`.
+      key_block, value_block: f32[n_kv_heads, block_length, head_dim], the blocks holding pos.
+
+    Returns:
+      (q: f32[n_heads, head_dim] after RoPE, key_block, value_block with this token's key (after
+      RoPE) and value at pos % block_length). Shapes that do not agree, or pos < 0, are an
+      error from the kernel.
+    """
+    n_kv, _, head_dim = key_block.shape
+    n_heads = qkv.shape[0] // head_dim - 2 * n_kv
+    out = (
+        jax.ShapeDtypeStruct((n_heads, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct(key_block.shape, jnp.float32),
+        jax.ShapeDtypeStruct(value_block.shape, jnp.float32),
+    )
+    return jax.ffi.ffi_call(ROPE_WRITE, out, input_output_aliases={3: 1, 4: 2})(
+        qkv.astype(jnp.float32), jnp.asarray(pos, jnp.int32), inv_freq.astype(jnp.float32),
+        key_block, value_block,
+    )

@@ -683,6 +683,60 @@ ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
 }
 
 
+// RoPE on one token's queries and keys, and its key and value written into the layer's cache
+// block, in one call (XLA ran them as three programs a layer, ~11 us of a decode step's
+// gaps between products). Rotation as llama2.c run.c: within each head the pair (2i, 2i + 1)
+// turns by angle = pos * inv_freq[i], with cosf / sinf of that float angle.
+using F32Matrix2 = ffi::Buffer<ffi::F32, 2>;
+using F32Matrix2Result = ffi::ResultBuffer<ffi::F32, 2>;
+
+inline void rotate(const float* in, const float* cos, const float* sin, int64_t head_dim,
+                   float* out) {
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    const float v0 = in[2 * i], v1 = in[2 * i + 1];
+    out[2 * i] = v0 * cos[i] - v1 * sin[i];
+    out[2 * i + 1] = v0 * sin[i] + v1 * cos[i];
+  }
+}
+
+ffi::Error RopeWriteF32(F32Vector qkv, S32Scalar pos, F32Vector inv_freq, F32Heads key_block,
+                        F32Heads value_block, F32Matrix2Result q, F32HeadsResult key_out,
+                        F32HeadsResult value_out) {
+  const auto cd = key_block.dimensions(), qd = q->dimensions();
+  const int64_t n_kv = cd[0], block = cd[1], hd = cd[2], n_heads = qd[0];
+  if (qd[1] != hd || hd % 2 != 0 || inv_freq.dimensions()[0] != hd / 2 ||
+      qkv.dimensions()[0] != (n_heads + 2 * n_kv) * hd || !same(value_block.dimensions(), cd) ||
+      !same(key_out->dimensions(), cd) || !same(value_out->dimensions(), cd))
+    return ffi::Error::InvalidArgument(
+        "jllama rope_write: qkv[(n_heads + 2 n_kv_heads) head_dim], q[n_heads, head_dim], "
+        "inv_freq[head_dim / 2] and caches [n_kv_heads, B, head_dim] do not agree");
+  const int64_t p = *pos.typed_data();
+  if (p < 0) return ffi::Error::InvalidArgument("jllama rope_write: negative pos");
+  // The caches are aliased to their results; should XLA ever hand over another buffer, carry
+  // the old contents over first.
+  const size_t bytes = sizeof(float) * n_kv * block * hd;
+  if (key_out->typed_data() != key_block.typed_data())
+    std::memcpy(key_out->typed_data(), key_block.typed_data(), bytes);
+  if (value_out->typed_data() != value_block.typed_data())
+    std::memcpy(value_out->typed_data(), value_block.typed_data(), bytes);
+  std::unique_ptr<float[]> cs(new float[hd]);
+  float *cos = cs.get(), *sin = cs.get() + hd / 2;
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    const float angle = static_cast<float>(p) * inv_freq.typed_data()[i];
+    cos[i] = std::cos(angle);
+    sin[i] = std::sin(angle);
+  }
+  const float* x = qkv.typed_data();
+  for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * hd, cos, sin, hd, q->typed_data() + h * hd);
+  const float *k = x + n_heads * hd, *v = k + n_kv * hd;
+  const int64_t at = p % block;
+  for (int64_t g = 0; g < n_kv; ++g) {
+    rotate(k + g * hd, cos, sin, hd, key_out->typed_data() + (g * block + at) * hd);
+    std::memcpy(value_out->typed_data() + (g * block + at) * hd, v + g * hd, sizeof(float) * hd);
+  }
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sampling one token as llama2.c run.c's `sample` (temperature > 0), bit for bit as the host's
 // `jllama.sampling.Sampler`: logits / temperature in float32, softmax with exp computed in
@@ -886,3 +940,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_sample_f32, SampleF32,
                                   .Arg<F32Scalar>()
                                   .Arg<F32Scalar>()
                                   .Ret<S32Scalar>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_rope_write_f32, RopeWriteF32,
+                              ffi::Ffi::Bind()
+                                  .Arg<F32Vector>()
+                                  .Arg<S32Scalar>()
+                                  .Arg<F32Vector>()
+                                  .Arg<F32Heads>()
+                                  .Arg<F32Heads>()
+                                  .Ret<F32Matrix2>()
+                                  .Ret<F32Heads>()
+                                  .Ret<F32Heads>());
