@@ -174,8 +174,11 @@ inline float dot_head(const float* a, const float* b, int64_t n) {
 #endif
 }
 
-// How far ahead of its loads a streaming product asks for its weights, in bytes.
-constexpr int kStreamAhead = 2048;
+// How far ahead of its loads a streaming product asks for its weights, in bytes. Alternated in
+// one process (bench/NOTES.md), 8 KiB against 2 KiB: stories110M f32 +9-11%, stories15M +20%,
+// SmolLM2 +12%, stories110M int8 +4% in the machine's fast minutes (12, 16 and 32 KiB: less);
+// in its slow minutes, memory-bound either way, the same.
+constexpr int kStreamAhead = 8192;
 
 // Asks for the weights `kStreamAhead` bytes past w with the non-temporal hint. On this
 // project's AMD machine (L3 a victim cache of L2) streaming a product's weights that way ran
