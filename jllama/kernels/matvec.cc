@@ -348,7 +348,8 @@ struct Work {
     for (int64_t k = 1; k <= shares; ++k)
       for (int64_t b; (b = take(share[(id + k) % shares].range, false)) >= 0;)
         rows += run_block(b);
-    // Once per thread, not per block: a counter written by both cores every block cost ~7%.
+    // Once per thread, not per block: a first version that updated a shared counter every
+    // block (and kept the shares on one cache line) decoded 7% slower.
     if (rows > 0) rows_done.fetch_add(rows, std::memory_order_release);
   }
 
