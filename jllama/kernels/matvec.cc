@@ -396,11 +396,15 @@ class Helpers {
   }
 
   // Whether the next product should run on its caller alone: for kSoloProducts products after
-  // one whose caller waited kStall or more for a helper's last block. A helper that waits so
-  // long has lost its core to another process (a block is ~1 us of work), and sharing work
-  // with it then costs more than it gives: with another program busy on one of two cores,
-  // stories110M decoded at 64-67 tok/s split, 77 with this (XLA's own products 80-86).
+  // two products within kStallWindow of each other whose callers waited kStall or more for a
+  // helper's last block. A helper that keeps its caller waiting that long has lost its core to
+  // another process (a block is ~1 us of work), and sharing work with it then costs more than
+  // it gives: with another program busy on one of two cores, stories110M decoded at 64-67
+  // tok/s split, 77 with this (XLA's own products 80-86). One stall alone does not count: on
+  // a quiet machine they come a few times a second (~1 in 3000 products), and reacting to
+  // each cost 4-10% (bench/NOTES.md).
   bool solo() {
+    products_.fetch_add(1, std::memory_order_relaxed);
     int64_t left = solo_left_.load(std::memory_order_relaxed);
     while (left > 0 && !solo_left_.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
     }
@@ -408,7 +412,10 @@ class Helpers {
   }
 
   void waited(std::chrono::steady_clock::duration wait) {
-    if (wait >= kStall) solo_left_.store(kSoloProducts, std::memory_order_relaxed);
+    if (wait < kStall) return;
+    const int64_t now = products_.load(std::memory_order_relaxed);
+    if (now - last_stall_.exchange(now, std::memory_order_relaxed) <= kStallWindow)
+      solo_left_.store(kSoloProducts, std::memory_order_relaxed);
   }
 
  private:
@@ -451,7 +458,10 @@ class Helpers {
   static constexpr int kSpinMs = 5;
   static constexpr std::chrono::microseconds kStall{1000};
   static constexpr int64_t kSoloProducts = 512;
+  static constexpr int64_t kStallWindow = 64;  // products
   std::atomic<int64_t> solo_left_{0};
+  std::atomic<int64_t> products_{0};  // products offered so far, for kStallWindow
+  std::atomic<int64_t> last_stall_{-kStallWindow - 1};
   std::mutex mutex_;
   std::condition_variable wake_;
   std::shared_ptr<Work> offered_;
