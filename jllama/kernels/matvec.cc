@@ -61,6 +61,7 @@ using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
 using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
 using F32Vector = ffi::Buffer<ffi::F32, 1>;
 using F32Result = ffi::ResultBuffer<ffi::F32, 1>;
+using F32MatrixResult = ffi::ResultBuffer<ffi::F32, 2>;
 using F32Heads = ffi::Buffer<ffi::F32, 3>;  // [n_kv_heads, positions or kv_mul, head_dim]
 using F32HeadsResult = ffi::ResultBuffer<ffi::F32, 3>;
 using S32Scalar = ffi::Buffer<ffi::S32, 0>;
@@ -726,8 +727,6 @@ ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
 // block, in one call (XLA ran them as three programs a layer, ~11 us of a decode step's
 // gaps between products). Rotation as llama2.c run.c: within each head the pair (2i, 2i + 1)
 // turns by angle = pos * inv_freq[i], with cosf / sinf of that float angle.
-using F32Matrix2 = ffi::Buffer<ffi::F32, 2>;
-using F32Matrix2Result = ffi::ResultBuffer<ffi::F32, 2>;
 
 inline void rotate(const float* in, const float* cos, const float* sin, int64_t head_dim,
                    float* out) {
@@ -739,7 +738,7 @@ inline void rotate(const float* in, const float* cos, const float* sin, int64_t 
 }
 
 ffi::Error RopeWriteF32(F32Vector qkv, S32Scalar pos, F32Vector inv_freq, F32Heads key_block,
-                        F32Heads value_block, F32Matrix2Result q, F32HeadsResult key_out,
+                        F32Heads value_block, F32MatrixResult q, F32HeadsResult key_out,
                         F32HeadsResult value_out) {
   const auto cd = key_block.dimensions(), qd = q->dimensions();
   const int64_t n_kv = cd[0], block = cd[1], hd = cd[2], n_heads = qd[0];
@@ -987,6 +986,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_rope_write_f32, RopeWriteF32,
                                   .Arg<F32Vector>()
                                   .Arg<F32Heads>()
                                   .Arg<F32Heads>()
-                                  .Ret<F32Matrix2>()
+                                  .Ret<F32Matrix>()
                                   .Ret<F32Heads>()
                                   .Ret<F32Heads>());
