@@ -48,3 +48,14 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     blended = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
     medium = ~(wavelen < old / high) & ~(wavelen > old / low)
     return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of each position's angles, as run.c computes them: the float32 angle
+    `pos * inv_freq[i]`, then its cosine and sine in float32.
+
+    positions: int[T] (tokens); inv_freq: f32[head_dim // 2] (`rope_frequencies`).
+    Returns (cos, sin): f32[T, head_dim // 2] each.
+    """
+    angle = np.asarray(positions).astype(np.float32)[:, None] * inv_freq.astype(np.float32)
+    return np.cos(angle), np.sin(angle)

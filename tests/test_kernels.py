@@ -266,6 +266,132 @@ def test_attention_refuses_a_position_outside_its_blocks():
         np.asarray(_attention(*args))
 
 
+def _chunk_case(rng, n_kv, kv_mul, head_dim, block, n_blocks, t, pos):
+    """Random queries of a chunk of t tokens at positions pos .. pos + t - 1 and cache blocks;
+    the positions after the chunk hold NaNs (the kernel must not use them), and the expected
+    output is `_attention_reference` of each token at its own position."""
+    n_heads = n_kv * kv_mul
+    q = rng.standard_normal((t, n_heads, head_dim), dtype=np.float32) * 2
+    keys = [rng.standard_normal((n_kv, block, head_dim), dtype=np.float32)
+            for _ in range(n_blocks)]
+    values = [rng.standard_normal((n_kv, block, head_dim), dtype=np.float32)
+              for _ in range(n_blocks)]
+    expected = np.stack([
+        _attention_reference(q[i].reshape(n_kv, kv_mul, head_dim), keys, values, pos + i)
+        .reshape(n_heads * head_dim) for i in range(t)
+    ])
+    for b in range(n_blocks):
+        first = max(0, pos + t - b * block)
+        keys[b][:, first:] = np.nan
+        values[b][:, first:] = np.nan
+    args = (jnp.asarray(q), tuple(map(jnp.asarray, keys)), tuple(map(jnp.asarray, values)),
+            jnp.int32(pos))
+    return args, expected
+
+
+_attention_chunk = jax.jit(kernels.attention_chunk)
+
+
+@pytest.mark.parametrize(
+    "n_kv,kv_mul,head_dim,block,n_blocks,t,pos",
+    [
+        (3, 3, 64, 256, 2, 256, 0),      # SmolLM2's first 256-token chunk
+        (3, 3, 64, 256, 2, 256, 256),    # its second: the whole first block, then causal
+        (3, 3, 64, 256, 4, 8, 600),      # an 8-token chunk late in the context
+        (6, 1, 48, 256, 1, 37, 5),       # stories15M's heads; 37 tokens: a partial tile
+        (2, 4, 128, 64, 3, 70, 100),     # head_dim 128 (Llama 3); the chunk crosses a block
+        (1, 1, 16, 16, 3, 1, 47),        # one token at the last position
+        (2, 2, 32, 32, 4, 17, 0),        # 17 tokens from position 0
+    ],
+)
+def test_attention_chunk_equals_float64_numpy(n_kv, kv_mul, head_dim, block, n_blocks, t, pos):
+    args, expected = _chunk_case(np.random.default_rng(t + pos), n_kv, kv_mul, head_dim, block,
+                                 n_blocks, t, pos)
+    got = np.asarray(_attention_chunk(*args))
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n_kv=st.integers(1, 3), kv_mul=st.integers(1, 3), dims=st.integers(1, 8),
+    block=st.sampled_from([16, 32, 64]), n_blocks=st.integers(1, 3), seed=st.integers(0, 99),
+    data=st.data(),
+)
+def test_attention_chunk_property(n_kv, kv_mul, dims, block, n_blocks, seed, data):
+    pos = data.draw(st.integers(0, block * n_blocks - 1))
+    t = data.draw(st.integers(1, min(40, block * n_blocks - pos)))
+    args, expected = _chunk_case(np.random.default_rng(seed), n_kv, kv_mul, 16 * dims, block,
+                                 n_blocks, t, pos)
+    np.testing.assert_allclose(np.asarray(_attention_chunk(*args)), expected, atol=2e-5,
+                               rtol=1e-5)
+
+
+def test_attention_chunk_by_hand():
+    """One head, head_dim 16, two tokens from position 0. Token 0 sees key 0 only: its output
+    is value 0. Token 1 has scores q.k / 4 = (1, 0) over keys 0 and 1: softmax (e/(e+1),
+    1/(e+1)) of the two value rows. A third token at position 2 would see key 2: with pos 1
+    and one token, the first two keys only."""
+    q = np.zeros((2, 1, 16), np.float32)
+    q[:, 0, 0] = 4.0
+    k = np.zeros((1, 16, 16), np.float32)
+    k[0, 0, 0] = 1.0
+    k[0, 1, 1] = 1.0
+    k[0, 2, 0] = 100.0  # position 2: never seen
+    v = np.zeros((1, 16, 16), np.float32)
+    v[0, 0, :4], v[0, 1, :4], v[0, 2, :4] = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
+    got = np.asarray(_attention_chunk(jnp.asarray(q), (jnp.asarray(k),), (jnp.asarray(v),),
+                                      jnp.int32(0)))
+    e = np.e
+    np.testing.assert_allclose(got[0, :4], [1, 2, 3, 4], rtol=1e-6)
+    np.testing.assert_allclose(got[1, :4], (e * np.array([1, 2, 3, 4]) + [5, 6, 7, 8]) / (e + 1),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(got[:, 4:], 0)
+    one = np.asarray(_attention_chunk(jnp.asarray(q[1:]), (jnp.asarray(k),), (jnp.asarray(v),),
+                                      jnp.int32(1)))
+    np.testing.assert_array_equal(one[0], got[1])
+
+
+def test_attention_chunk_gives_the_same_bits_every_call():
+    """Tiles are split over the pool's threads; each tile runs on one thread in a fixed order."""
+    args, _ = _chunk_case(np.random.default_rng(5), 4, 4, 64, 256, 4, 256, 512)
+    first = np.asarray(_attention_chunk(*args))
+    for _ in range(20):
+        assert np.array_equal(np.asarray(_attention_chunk(*args)), first)
+
+
+def test_attention_chunk_refuses_bad_arguments():
+    args, _ = _chunk_case(np.random.default_rng(3), 2, 1, 16, 16, 1, 4, 3)
+    with pytest.raises(Exception, match="positions outside the blocks"):
+        np.asarray(_attention_chunk(args[0], args[1], args[2], jnp.int32(13)))
+    with pytest.raises(Exception, match="positions outside the blocks"):
+        np.asarray(_attention_chunk(args[0], args[1], args[2], jnp.int32(-1)))
+    with pytest.raises(Exception, match="even number of cache blocks"):
+        np.asarray(jax.ffi.ffi_call(kernels.ATTENTION_CHUNK,
+                                    jax.ShapeDtypeStruct((4, 32), jnp.float32))(
+            args[0], jnp.int32(0), args[1][0]))
+    assert not kernels.attention_chunk_fits(8, 256) and not kernels.attention_chunk_fits(64, 250)
+    assert kernels.attention_chunk_fits(64, 256) and not kernels.attention_chunk_fits(144, 256)
+    with pytest.raises(ValueError, match="no kernel for head_dim 8"):
+        kernels.attention_chunk(jnp.zeros((2, 1, 8)), (jnp.zeros((1, 16, 8)),),
+                                (jnp.zeros((1, 16, 8)),), jnp.int32(0))
+
+
+def test_the_prefill_attention_calls_the_kernel_only_when_asked_and_it_fits():
+    from jllama import graphs
+    from jllama.config import ModelConfig
+
+    for head_dim, fits in ((16, True), (8, False)):
+        config = ModelConfig(dim=4 * head_dim, hidden_dim=32, n_layers=1, n_heads=4,
+                             n_kv_heads=2, vocab_size=10, seq_len=64)
+        blocks = (jnp.zeros((2, 64, head_dim)),)
+        for matvec in ("kernel", "xla"):
+            hlo = graphs.attention_chunk.lower(config, jnp.zeros((8, 4, head_dim)), blocks, blocks,
+                                               jnp.int32(0), matvec=matvec).as_text()
+            assert ("jllama_attention_chunk_f32" in hlo) is (fits and matvec == "kernel")
+            assert ("exponential" in hlo) is not (fits and matvec == "kernel")
+
+
 def test_kernel_decode_crosses_cache_blocks_like_the_full_sequence_forward():
     """270 positions: the attention kernel reads the first cache block whole and the second
     in part (graph mode; the loop's block-apart form is checked against the other modes in
@@ -750,7 +876,8 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
     lib = ctypes.CDLL(str(library.build(march=march)))
     names = {}
     symbols = {**kernels.TARGETS, "int8_groups": kernels.GROUPED_INT8,
-               "attention": kernels.ATTENTION, "argmax": kernels.ARGMAX}
+               "attention": kernels.ATTENTION, "argmax": kernels.ARGMAX,
+               "attention_chunk": kernels.ATTENTION_CHUNK}
     for dtype, symbol in symbols.items():
         names[dtype] = f"{symbol}_{march.replace('-', '_')}"
         jax.ffi.register_ffi_target(names[dtype], jax.ffi.pycapsule(getattr(lib, symbol)),
@@ -802,4 +929,10 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
         q, keys, values, pos, cur, key_cur, value_cur = args
         got = jax.ffi.ffi_call(names["attention"], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
             q, pos, cur, key_cur, value_cur, *keys, *values)
+        np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5, rtol=1e-5)
+    for case in [(3, 3, 64, 256, 2, 40, 250), (2, 1, 16, 16, 3, 17, 0)]:
+        (q, keys, values, pos), expected = _chunk_case(rng, *case)
+        got = jax.ffi.ffi_call(names["attention_chunk"],
+                               jax.ShapeDtypeStruct(expected.shape, jnp.float32))(
+            q, pos, *keys, *values)
         np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5, rtol=1e-5)

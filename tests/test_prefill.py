@@ -20,9 +20,20 @@ GQA = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=8, n_kv_heads=2, vo
                   seq_len=600, shared_weights=False)
 
 
+GQA16 = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
+                    seq_len=600, shared_weights=False)
+"""head_dim 16: the prefill attention runs jllama's kernel (`kernels.attention_chunk_fits`);
+GQA's head_dim 8 keeps XLA's."""
+
+
 @pytest.fixture(scope="module")
 def gqa():
     return GQA, random_weights(GQA, seed=4, scale=0.1)
+
+
+@pytest.fixture(scope="module")
+def gqa16():
+    return GQA16, random_weights(GQA16, seed=5, scale=0.1)
 
 
 @contextlib.contextmanager
@@ -47,12 +58,18 @@ def _fresh(config, weights, name="jax"):
     return b
 
 
+@pytest.mark.parametrize("model", ["gqa", "gqa16"])
 @pytest.mark.parametrize("start", [0, 5, 250])
 @pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 63, 64, 65, 77, 200])
-def test_prefill_logits_equal_token_by_token(gqa, n, start):
-    config, weights = gqa
+def test_prefill_logits_equal_token_by_token(model, n, start, request):
+    config, weights = request.getfixturevalue(model)
+    from jllama import kernels
+
     tokens = [int(t) for t in np.random.default_rng(n).integers(0, config.vocab_size, start + n)]
     batched, stepped = _fresh(config, weights), _fresh(config, weights, "numpy")
+    # The attention kernel where it fits (matvec "auto" is the kernels on this CPU).
+    fits = kernels.attention_chunk_fits(config.head_dim, batched.block_length)
+    assert (batched.matvec, fits) == ("kernel", model == "gqa16")
     for pos in range(start):  # a conversation's earlier turns, already in the cache
         batched.forward(tokens[pos], pos)
         stepped.forward(tokens[pos], pos)

@@ -30,7 +30,7 @@ from jllama import kernels
 from jllama.errors import BackendError
 from jllama.quant import embedding_rows
 from jllama.packing import pack_in_decode_order
-from jllama.rope import rope_frequencies
+from jllama.rope import rope_cos_sin, rope_frequencies
 from jllama.sharding import TensorParallel
 from jllama.weights import (
     TransformerWeights,
@@ -167,7 +167,8 @@ class JaxGraphBackend:
             self.layers = tuple(tp.place_layer(config, layer) for layer in host.layers)
             self.rms_final_weight = tp.put(host.rms_final_weight)
             self.wcls = tp.put(host.wcls, tp.classifier_spec(host.wcls))
-        self.inv_freq = self._put(rope_frequencies(config))
+        self._inv_freq = rope_frequencies(config)  # the host's copy, for prefill's angles
+        self.inv_freq = self._put(self._inv_freq)
         # Per layer, a list of cache blocks (`jllama.graphs.attention`): whole arrays, so no
         # program ever copies a window out of a larger cache.
         self.block_length = graphs.block_length(config.seq_len)
@@ -291,6 +292,7 @@ class JaxGraphBackend:
         rows = embedding_rows(self.token_embedding_table, np.asarray(chunk))
         x = self._put(rows)
         pos_arr = self._put(np.int32(pos))
+        cos, sin = map(self._put, rope_cos_sin(np.arange(pos, pos + len(chunk)), self._inv_freq))
         k = graphs.attention_blocks(config.seq_len, pos + len(chunk) - 1)
         b = pos // self.block_length
         programs = self._programs
@@ -298,10 +300,10 @@ class JaxGraphBackend:
             keys, values = self.key_cache[l], self.value_cache[l]
             q, keys[b], values[b] = programs.qkv_chunk(
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
-                self.inv_freq, shards=self._shards,
+                cos, sin, shards=self._shards,
             )
             att = programs.attention_chunk(
-                config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr
+                config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec
             )
             x = programs.block_chunk(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3

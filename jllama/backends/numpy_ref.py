@@ -21,7 +21,7 @@ import numpy as np
 
 from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
-from jllama.rope import rope_frequencies
+from jllama.rope import rope_cos_sin, rope_frequencies
 from jllama.weights import TransformerWeights, cast_weights, check_shapes
 
 _F32 = np.float32
@@ -67,8 +67,7 @@ def rope(vec: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
     """
     half = inv_freq.shape[0]
     pairs = vec.reshape(-1, half, 2)
-    angle = _F32(pos) * inv_freq
-    cos, sin = np.cos(angle), np.sin(angle)
+    cos, sin = (a[0] for a in rope_cos_sin(np.array([pos]), inv_freq))
     v0, v1 = pairs[..., 0], pairs[..., 1]
     out = np.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], axis=-1)
     return out.reshape(vec.shape).astype(_F32)

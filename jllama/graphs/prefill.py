@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jllama import kernels
 from jllama.config import ModelConfig
 from jllama.graphs.ops import PRECISION, split_qkv
 from jllama.quant import Int8Matrix
@@ -49,17 +50,19 @@ def _rmsnorm_rows(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * (x * jax.lax.rsqrt(ms))
 
 
-def _rope_rows(heads: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """heads: f32[T, n, head_dim], positions: int32[T] -> the adjacent pairs (2i, 2i+1) of each
-    head of token t rotated by positions[t] * inv_freq[i] (run.c's RoPE)."""
+def _rope_rows(heads: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """heads: f32[T, n, head_dim]; cos, sin: f32[T, head_dim // 2] of each token's angles
+    (`jllama.rope.rope_cos_sin`) -> the adjacent pairs (2i, 2i+1) of each head of token t
+    rotated by token t's angle i (run.c's RoPE)."""
     t, n, head_dim = heads.shape
     pairs = heads.reshape(t, n, head_dim // 2, 2)
-    angle = (positions.astype(jnp.float32)[:, None] * inv_freq)[:, None, :, None]
-    cos, sin = jnp.cos(angle), jnp.sin(angle) * jnp.array([-1, 1], jnp.float32)
     # (v0, v1) -> (v0 cos - v1 sin, v1 cos + v0 sin): the pair reversed times (-sin, sin).
     # Elementwise with a reverse, one loop fusion; stacking the two halves instead made XLA
-    # CPU concatenate them (20 ms of a 512-token SmolLM2 prefill, profiled).
-    rotated = pairs * cos + pairs[..., ::-1] * sin
+    # CPU concatenate them (20 ms of a 512-token SmolLM2 prefill, profiled). cos and sin come
+    # in as arguments: computed inside, XLA evaluated them once per element of every head
+    # (a broadcast inside the fusion), 0.16 ms a SmolLM2 layer of 256 tokens.
+    signed = sin[:, None, :, None] * jnp.array([-1, 1], jnp.float32)
+    rotated = pairs * cos[:, None, :, None] + pairs[..., ::-1] * signed
     return rotated.reshape(t, n, head_dim)
 
 
@@ -75,7 +78,8 @@ def qkv_chunk(
     key_block: jax.Array,
     value_block: jax.Array,
     pos: jax.Array,
-    inv_freq: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
     *,
     shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -90,7 +94,8 @@ def qkv_chunk(
         block boundary, and `dynamic_update_slice` would clamp one that did); donated,
         updated in place.
       pos: int32 scalar, the first token's position.
-      inv_freq: f32[head_dim // 2].
+      cos, sin: f32[T, head_dim // 2], the RoPE angles of positions pos .. pos+T-1
+        (`jllama.rope.rope_cos_sin`, the same for every layer).
       shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
 
     Returns:
@@ -98,14 +103,12 @@ def qkv_chunk(
       pos .. pos+T-1 written).
     """
     c = config
-    t = x.shape[0]
     with jax.named_scope("qkv_chunk"):
         out = _rows_matmul(_rmsnorm_rows(x, rms_att_weight, c.norm_eps), wqkv)
         q, k, v = split_qkv(c, out, shards)
     with jax.named_scope("rope"):
-        positions = pos + jnp.arange(t, dtype=jnp.int32)
-        q = _rope_rows(q, positions, inv_freq)
-        k = _rope_rows(k, positions, inv_freq)
+        q = _rope_rows(q, cos, sin)
+        k = _rope_rows(k, cos, sin)
     with jax.named_scope("cache_write"):
         zero = jnp.zeros((), jnp.int32)
         offset = pos % key_block.shape[1]
@@ -118,13 +121,15 @@ def qkv_chunk(
     return q, key_block, value_block
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
 def attention_chunk(
     config: ModelConfig,
     q: jax.Array,
     key_blocks: tuple,
     value_blocks: tuple,
     pos: jax.Array,
+    *,
+    matvec: str = "xla",
 ) -> jax.Array:
     """Causal attention of T tokens at positions pos .. pos+T-1 (`jllama.graphs.attention` per
     token): token t's query head h attends over key head h // kv_mul at cache positions
@@ -136,6 +141,9 @@ def attention_chunk(
       key_blocks, value_blocks: the layer's first k cache blocks (k = `attention_blocks` of
         the chunk's last position), holding the chunk's keys and values already (read only).
       pos: int32 scalar; pos + T <= k * block_length.
+      matvec: static; "kernel": jllama's CPU kernel (`jllama.kernels.attention_chunk`, which
+        reads only the keys each token sees) where `jllama.kernels.attention_chunk_fits`
+        the shapes, else XLA's version below.
 
     Returns:
       att: f32[T, q_dim].
@@ -149,6 +157,8 @@ def attention_chunk(
     """
     c = config
     t = q.shape[0]
+    if matvec == "kernel" and kernels.attention_chunk_fits(c.head_dim, key_blocks[0].shape[1]):
+        return kernels.attention_chunk(q, key_blocks, value_blocks, pos)
     with jax.named_scope("attention_chunk"):
         # [g, m, T, d]: each KV group's queries as one matrix of kv_mul * T rows, scaled by
         # 1 / sqrt(head_dim) here (T x q_dim values) rather than every score.

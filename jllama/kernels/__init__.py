@@ -15,6 +15,8 @@ about float32's bytes per second (int8: 231 tok/s) and float32 at least as fast 
   sample(...)     one token drawn as run.c's sampler (and the host's `Sampler`), bit for bit
   argmax(logits)  greedy decoding's token (run.c's argmax) and whether every logit is finite
   rope_write(...) one token's RoPE on q and k and its key and value written into the cache
+  attention_chunk(...)  a prefill chunk's causal attention (T tokens), the chunk's own block
+                  only up to each token
 
 Only for one CPU device: under tensor parallelism XLA's partitioner cannot split a custom
 call, so split programs keep `jnp.dot`; other platforms never lower these targets.
@@ -48,12 +50,15 @@ ARGMAX = SYMBOLS[6]
 ROPE_WRITE = SYMBOLS[7]
 """The handler for RoPE on one token's queries and keys plus the write of its key and value
 into the layer's cache block."""
+ATTENTION_CHUNK = SYMBOLS[8]
+"""The handler for a prefill chunk's causal attention over float32 cache blocks."""
 
 PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
 """The matvec handlers' `prologue` attribute (`matvec.cc`): x as given, RMSNorm(x) * norm,
 silu(x) * gate."""
 
-__all__ = ["MATVEC_MODES", "KernelBuildError", "argmax", "attention", "load", "matvec", "sample"]
+__all__ = ["MATVEC_MODES", "KernelBuildError", "argmax", "attention", "attention_chunk",
+           "attention_chunk_fits", "load", "matvec", "rope_write", "sample"]
 
 
 @functools.cache
@@ -252,4 +257,50 @@ def rope_write(
     return jax.ffi.ffi_call(ROPE_WRITE, out, input_output_aliases={3: 1, 4: 2})(
         qkv.astype(jnp.float32), jnp.asarray(pos, jnp.int32), inv_freq.astype(jnp.float32),
         key_block, value_block,
+    )
+
+
+def attention_chunk_fits(head_dim: int, block_length: int) -> bool:
+    """Whether `attention_chunk` takes these shapes: head_dim a multiple of 16 up to 128 (one
+    register of 16 floats per 16 dimensions), cache blocks a multiple of 16 positions (a tile
+    of 16 keys never crosses a block)."""
+    return head_dim % 16 == 0 and 16 <= head_dim <= 128 and block_length % 16 == 0
+
+
+def attention_chunk(q: jax.Array, key_blocks, value_blocks, pos: jax.Array) -> jax.Array:
+    """Causal attention of a prefill chunk by jllama's CPU kernel: token t (at position pos +
+    t) attends with query head h over key head h // kv_mul at cache positions 0 .. pos + t
+    (`jllama.graphs.prefill.attention_chunk`, llama2.c run.c's attention per token). XLA's
+    version multiplies every query by whole cache blocks and masks the scores; this one reads
+    each token's visible keys only. For tracing inside a jitted program (call `load()` first).
+
+    Args:
+      q: f32[T, n_heads, head_dim], the chunk's queries after RoPE; head_dim as
+        `attention_chunk_fits`.
+      key_blocks, value_blocks: the layer's first k cache blocks, each f32[n_kv_heads,
+        block_length, head_dim] (block_length as `attention_chunk_fits`), holding positions
+        0 .. pos + T - 1 (the chunk's own keys and values already written); later positions
+        are not read.
+      pos: int32 scalar, the chunk's first position; 0 <= pos and pos + T <= k * block_length
+        (checked by the kernel: an error at run time, not a wrong read).
+
+    Returns:
+      f32[T, n_heads * head_dim]. Tiles of 16 tokens of one head are split over XLA's pool
+      threads, each computed on one thread in a fixed order (score sums over head_dim, then
+      over positions in order), so the bits do not depend on the thread count; they differ
+      from XLA's masked softmax by float rounding only.
+
+    Raises:
+      ValueError: shapes `attention_chunk_fits` refuses.
+    """
+    t, n_heads, head_dim = q.shape
+    block_length = key_blocks[0].shape[1]
+    if not attention_chunk_fits(head_dim, block_length):
+        raise ValueError(
+            f"attention_chunk has no kernel for head_dim {head_dim} and cache blocks of "
+            f"{block_length} positions"
+        )
+    out = jax.ShapeDtypeStruct((t, n_heads * head_dim), jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_CHUNK, out)(
+        q.astype(jnp.float32), jnp.asarray(pos, jnp.int32), *key_blocks, *value_blocks
     )

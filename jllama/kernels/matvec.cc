@@ -41,6 +41,7 @@
 #include <condition_variable>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -722,6 +723,223 @@ ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Causal attention of a chunk of T prompt tokens (prefill): token t's query head h attends over
+// key head h / kv_mul at cache positions 0 .. pos + t, as `attention` per token. XLA's version
+// (`jllama.graphs.prefill.attention_chunk`) multiplies every query by whole 256-position blocks
+// and masks the scores, so half of the chunk's own block is computed and thrown away, and the
+// softmax is several programs over [heads, T, block] arrays: 0.92 ms a SmolLM2 layer for the
+// first 256 tokens, 1.49 ms for the next 256, 17% of a 512-token prefill (bench/NOTES.md).
+//
+// Work comes in tiles of 16 consecutive tokens of one query head, largest first, taken by the
+// caller and one task per other thread of XLA's pool (not jllama's helpers: those spin for
+// milliseconds after a product, which would take a core from the XLA products that follow a
+// prefill's attention). A tile is one thread's from start to end, in a fixed order, so the
+// result does not depend on the thread count:
+//   scores  s[j][r] = sum_d (q_r[d] / sqrt(head_dim)) * k_j[d], d = 0, 1, ... in one
+//           multiply-add chain, for keys j of the tile's rows (16 rows in the 16 lanes: the
+//           keys' rows are read as stored, each weight broadcast)
+//   softmax per row over its visible keys j <= pos + t0 + r: max, exp(s - max), their sum
+//           in j order
+//   values  out_r[d] = (sum_j p[j][r] * v_j[d], j = 0, 1, ...) / sum_r
+
+struct ChunkAttention {
+  const float* q;  // [T, n_heads, head_dim], after RoPE
+  float* out;      // [T, n_heads * head_dim]
+  std::unique_ptr<const float*[]> blocks;  // k key blocks, then k value blocks
+  int64_t n_blocks, t, n_heads, kv_mul, hd, block, pos;
+
+  const float* key_row(int64_t j, int64_t g) const {
+    return blocks[j / block] + (g * block + j % block) * hd;
+  }
+  const float* value_row(int64_t j, int64_t g) const {
+    return blocks[n_blocks + j / block] + (g * block + j % block) * hd;
+  }
+};
+
+constexpr int64_t kChunkTile = 16;  // tokens per tile: one per lane
+
+// The tile of tokens [16 * tile, ...) of query head h; st: scratch f32[16 * (pos + T)].
+template <int D>  // head_dim / 16
+void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
+  constexpr int64_t HD = 16 * D, R = kChunkTile;
+  const int64_t g = h / a.kv_mul, t0 = tile * R, rows = std::min(R, a.t - t0);
+  const int64_t first = a.pos + t0;  // row r sees keys 0 .. first + r
+  const int64_t len = first + rows;  // keys any row sees
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+  alignas(64) float qt[HD * R];  // qt[d * 16 + r]: the rows' queries, scaled, transposed
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < HD; ++d)
+      qt[d * R + r] = r < rows ? a.q[((t0 + r) * a.n_heads + h) * HD + d] * scale : 0.0f;
+  alignas(64) float top[R], total[R];
+#if JLLAMA_AVX512
+  // Scores, 16 keys at a time (a tile of keys never crosses a cache block: block % 16 == 0);
+  // a last partial tile computes keys past len that nothing reads.
+  for (int64_t j0 = 0; j0 < len; j0 += R) {
+    const float* k = a.key_row(j0, g);
+    __m512 acc[R];
+    for (int64_t jj = 0; jj < R; ++jj) acc[jj] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < HD; ++d) {
+      const __m512 qv = _mm512_load_ps(qt + d * R);
+      for (int64_t jj = 0; jj < R; ++jj)
+        acc[jj] = _mm512_fmadd_ps(_mm512_set1_ps(k[jj * HD + d]), qv, acc[jj]);
+    }
+    for (int64_t jj = 0; jj < R; ++jj) _mm512_store_ps(st + (j0 + jj) * R, acc[jj]);
+  }
+  // Key j is visible to the rows r >= j - first.
+  auto visible = [first](int64_t j) -> __mmask16 {
+    return j <= first ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0xFFFF << (j - first));
+  };
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < len; ++j)
+    m = _mm512_mask_max_ps(m, visible(j), m, _mm512_load_ps(st + j * R));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const __m512 e =
+        _mm512_maskz_mov_ps(visible(j), exp16(_mm512_sub_ps(_mm512_load_ps(st + j * R), m)));
+    _mm512_store_ps(st + j * R, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  _mm512_store_ps(total, sum);
+  for (int64_t c = 0; c < D; ++c) {
+    __m512 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < len; j0 += R) {
+      const float* v = a.value_row(j0, g) + c * 16;
+      const int64_t n = std::min(R, len - j0);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const __m512 vv = _mm512_loadu_ps(v + jj * HD);
+        const float* p = st + (j0 + jj) * R;
+        for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), vv, acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_storeu_ps(a.out + (t0 + r) * a.n_heads * HD + h * HD + c * 16,
+                       _mm512_div_ps(acc[r], _mm512_set1_ps(total[r])));
+  }
+  (void)top;
+#else
+  for (int64_t j0 = 0; j0 < len; j0 += R) {
+    const float* k = a.key_row(j0, g);
+    for (int64_t jj = 0; jj < R; ++jj) {
+      float acc[R] = {0};
+      for (int64_t d = 0; d < HD; ++d)
+        for (int64_t r = 0; r < R; ++r) acc[r] = std::fma(k[jj * HD + d], qt[d * R + r], acc[r]);
+      std::memcpy(st + (j0 + jj) * R, acc, sizeof acc);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    top[r] = -INFINITY;
+    total[r] = 0.0f;
+  }
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t r = std::max<int64_t>(0, j - first); r < R; ++r)
+      top[r] = std::max(top[r], st[j * R + r]);
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t r = 0; r < R; ++r) {
+      float& s = st[j * R + r];
+      s = r >= j - first ? std::exp(s - top[r]) : 0.0f;
+      total[r] += s;
+    }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = a.out + (t0 + r) * a.n_heads * HD + h * HD;
+    for (int64_t d = 0; d < HD; ++d) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < len; ++j) acc = std::fma(st[j * R + r], a.value_row(j, g)[d], acc);
+      o[d] = acc / total[r];
+    }
+  }
+#endif
+}
+
+// Shared by the caller and its pool tasks; a task may start after the call has returned, so
+// the state lives as long as its last holder (it then finds no tile left and reads nothing).
+struct ChunkWork {
+  ChunkAttention a;
+  void (*tile)(const ChunkAttention&, int64_t, int64_t, float*);
+  int64_t tiles = 0, units = 0;
+  // One scratch area per thread (rows of 16 scores, each a cache line), allocated by the caller
+  // so that a failed allocation is an error it can return.
+  std::unique_ptr<float, void (*)(void*)> scratch{nullptr, std::free};
+  int64_t scratch_floats = 0, threads = 0;
+  std::atomic<int64_t> arrived{0}, next{0}, done{0};
+
+  void help() {
+    const int64_t id = arrived.fetch_add(1, std::memory_order_relaxed);
+    if (id >= threads) return;
+    float* st = scratch.get() + id * scratch_floats;
+    int64_t n = 0;
+    // Largest tiles (latest tokens) first, so the last ones taken are short.
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units; ++n)
+      tile(a, u % a.n_heads, tiles - 1 - u / a.n_heads, st);
+    if (n > 0) done.fetch_add(n, std::memory_order_release);
+  }
+};
+
+template <int D>
+void chunk_tile_for(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
+  chunk_tile<D>(a, h, tile, st);
+}
+
+ffi::Error AttentionChunkF32(ffi::ThreadPool pool, F32Heads q, S32Scalar pos,
+                             ffi::RemainingArgs blocks, F32MatrixResult out) {
+  const auto qd = q.dimensions();
+  const int64_t t = qd[0], n_heads = qd[1], hd = qd[2];
+  if (blocks.size() % 2 != 0 || blocks.size() == 0)
+    return ffi::Error::InvalidArgument("jllama attention_chunk: an even number of cache blocks");
+  auto work = std::make_shared<ChunkWork>();
+  ChunkAttention& a = work->a;
+  a.n_blocks = static_cast<int64_t>(blocks.size() / 2);
+  a.blocks.reset(new const float*[2 * a.n_blocks]);
+  ffi::AnyBuffer::Dimensions cd;
+  for (int64_t i = 0; i < 2 * a.n_blocks; ++i) {
+    auto b = blocks.get<F32Heads>(i);
+    if (b.has_error()) return b.error();
+    if (i == 0) cd = b->dimensions();
+    if (!same(b->dimensions(), cd))
+      return ffi::Error::InvalidArgument("jllama attention_chunk: cache blocks of one shape");
+    a.blocks[i] = b->typed_data();
+  }
+  const int64_t n_kv = cd[0];
+  a.t = t, a.n_heads = n_heads, a.hd = hd, a.block = cd[1], a.pos = *pos.typed_data();
+  if (cd[2] != hd || hd % 16 != 0 || hd < 16 || hd > 128 || n_kv < 1 || n_heads % n_kv != 0 ||
+      a.block % kChunkTile != 0 || out->dimensions()[0] != t ||
+      out->dimensions()[1] != n_heads * hd)
+    return ffi::Error::InvalidArgument(
+        "jllama attention_chunk: q[T, n_heads, head_dim] (head_dim 16, 32, ..., 128), blocks "
+        "[n_kv_heads, B, head_dim] (B a multiple of 16) and out[T, n_heads * head_dim]");
+  if (a.pos < 0 || t < 1 || a.pos + t > a.n_blocks * a.block)
+    return ffi::Error::InvalidArgument("jllama attention_chunk: positions outside the blocks");
+  a.kv_mul = n_heads / n_kv;
+  a.q = q.typed_data();
+  a.out = out->typed_data();
+  using Tile = void (*)(const ChunkAttention&, int64_t, int64_t, float*);
+  static constexpr Tile kTiles[8] = {chunk_tile_for<1>, chunk_tile_for<2>, chunk_tile_for<3>,
+                                     chunk_tile_for<4>, chunk_tile_for<5>, chunk_tile_for<6>,
+                                     chunk_tile_for<7>, chunk_tile_for<8>};
+  work->tile = kTiles[hd / 16 - 1];
+  work->tiles = (t + kChunkTile - 1) / kChunkTile;
+  work->units = work->tiles * n_heads;
+  work->threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), work->units));
+  work->scratch_floats = kChunkTile * (a.pos + t + kChunkTile);
+  work->scratch.reset(static_cast<float*>(
+      std::aligned_alloc(64, sizeof(float) * work->scratch_floats * work->threads)));
+  if (!work->scratch)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jllama attention_chunk: out of memory");
+  for (int64_t i = 1; i < work->threads; ++i) pool.Schedule([work] { work->help(); });
+  work->help();
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->units; ++spins) {
+    if (spins < 4096) {
+#if defined(__x86_64__) || defined(_M_X64)
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  return ffi::Error::Success();
+}
+
 
 // RoPE on one token's queries and keys, and its key and value written into the layer's cache
 // block, in one call (XLA ran them as three programs a layer, ~11 us of a decode step's
@@ -970,6 +1188,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_attention_f32, AttentionF32,
                                   .Arg<F32Heads>()
                                   .RemainingArgs()
                                   .Ret<F32Heads>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_attention_chunk_f32, AttentionChunkF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Heads>()
+                                  .Arg<S32Scalar>()
+                                  .RemainingArgs()
+                                  .Ret<F32Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_sample_f32, SampleF32,
                               ffi::Ffi::Bind()
