@@ -4,6 +4,7 @@ and against XLA's products, the build's errors, and the CLI's --matvec."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -370,8 +371,11 @@ def test_attention_chunk_refuses_bad_arguments():
         np.asarray(jax.ffi.ffi_call(kernels.ATTENTION_CHUNK,
                                     jax.ShapeDtypeStruct((4, 32), jnp.float32))(
             args[0], jnp.int32(0), args[1][0]))
-    assert not kernels.attention_chunk_fits(8, 256) and not kernels.attention_chunk_fits(64, 250)
-    assert kernels.attention_chunk_fits(64, 256) and not kernels.attention_chunk_fits(144, 256)
+    fits = functools.partial(kernels.attention_chunk_fits, fast_only=False)
+    assert not fits(8, 256) and not fits(64, 250) and not fits(144, 256)
+    assert fits(64, 256) and fits(16, 16) and fits(128, 32)
+    # Chosen by the prefill program only where the library has its AVX-512 loops.
+    assert kernels.attention_chunk_fits(64, 256) is (kernels.vector_width() == 16)
     with pytest.raises(ValueError, match="no kernel for head_dim 8"):
         kernels.attention_chunk(jnp.zeros((2, 1, 8)), (jnp.zeros((1, 16, 8)),),
                                 (jnp.zeros((1, 16, 8)),), jnp.int32(0))
@@ -381,7 +385,7 @@ def test_the_prefill_attention_calls_the_kernel_only_when_asked_and_it_fits():
     from jllama import graphs
     from jllama.config import ModelConfig
 
-    for head_dim, fits in ((16, True), (8, False)):
+    for head_dim, fits in ((16, kernels.vector_width() == 16), (8, False)):
         config = ModelConfig(dim=4 * head_dim, hidden_dim=32, n_layers=1, n_heads=4,
                              n_kv_heads=2, vocab_size=10, seq_len=64)
         blocks = (jnp.zeros((2, 64, head_dim)),)
@@ -874,6 +878,7 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
         pytest.skip("x86-64 -march levels")
     monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
     lib = ctypes.CDLL(str(library.build(march=march)))
+    assert lib.jllama_vector_width() == 1  # no AVX-512 loops: prefill keeps XLA's attention
     names = {}
     symbols = {**kernels.TARGETS, "int8_groups": kernels.GROUPED_INT8,
                "attention": kernels.ATTENTION, "argmax": kernels.ARGMAX,

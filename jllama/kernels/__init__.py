@@ -30,7 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jllama.kernels.library import SYMBOLS, KernelBuildError, build, check_library
+from jllama.kernels.library import (
+    SYMBOLS,
+    VECTOR_WIDTH,
+    KernelBuildError,
+    build,
+    check_library,
+)
 from jllama.quant import Int8Matrix
 
 MATVEC_MODES = ("xla", "kernel")
@@ -58,7 +64,7 @@ PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
 silu(x) * gate."""
 
 __all__ = ["MATVEC_MODES", "KernelBuildError", "argmax", "attention", "attention_chunk",
-           "attention_chunk_fits", "load", "matvec", "rope_write", "sample"]
+           "attention_chunk_fits", "load", "matvec", "rope_write", "sample", "vector_width"]
 
 
 @functools.cache
@@ -260,11 +266,25 @@ def rope_write(
     )
 
 
-def attention_chunk_fits(head_dim: int, block_length: int) -> bool:
+def attention_chunk_fits(head_dim: int, block_length: int, *, fast_only: bool = True) -> bool:
     """Whether `attention_chunk` takes these shapes: head_dim a multiple of 16 up to 128 (one
     register of 16 floats per 16 dimensions), cache blocks a multiple of 16 positions (a tile
-    of 16 keys never crosses a block)."""
-    return head_dim % 16 == 0 and 16 <= head_dim <= 128 and block_length % 16 == 0
+    of 16 keys never crosses a block). With fast_only (the prefill program's question), also
+    whether the kernel is faster than XLA's attention here: only when the library was built
+    with AVX-512 (`vector_width`); its plain loops ran 5-8x slower than XLA's."""
+    fits = head_dim % 16 == 0 and 16 <= head_dim <= 128 and block_length % 16 == 0
+    return fits and (not fast_only or vector_width() == 16)
+
+
+@functools.cache
+def vector_width() -> int:
+    """Floats per vector register of the loaded library's loops: 16 with AVX-512, else 1
+    (builds the library if needed, as `load`).
+
+    Raises:
+      KernelBuildError: as `load`.
+    """
+    return int(getattr(check_library(load()), VECTOR_WIDTH)())
 
 
 def attention_chunk(q: jax.Array, key_blocks, value_blocks, pos: jax.Array) -> jax.Array:
@@ -295,7 +315,7 @@ def attention_chunk(q: jax.Array, key_blocks, value_blocks, pos: jax.Array) -> j
     """
     t, n_heads, head_dim = q.shape
     block_length = key_blocks[0].shape[1]
-    if not attention_chunk_fits(head_dim, block_length):
+    if not attention_chunk_fits(head_dim, block_length, fast_only=False):
         raise ValueError(
             f"attention_chunk has no kernel for head_dim {head_dim} and cache blocks of "
             f"{block_length} positions"

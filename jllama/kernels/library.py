@@ -46,6 +46,10 @@ SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8",
            "jllama_argmax_f32", "jllama_rope_write_f32", "jllama_attention_chunk_f32")
 """The FFI handlers `matvec.cc` exports; a library lacking one is not used or cached."""
 
+VECTOR_WIDTH = "jllama_vector_width"
+"""A plain C function `matvec.cc` exports too: floats per vector register of the build's loops
+(16 with AVX-512, else 1)."""
+
 
 def compiler() -> list[str] | None:
     """The C++ compiler command (`$CXX` split as a shell would, e.g. "ccache g++"; `c++` when
@@ -119,7 +123,7 @@ def check_library(path: str | os.PathLike) -> ctypes.CDLL:
     """
     try:
         lib = ctypes.CDLL(os.fspath(path))
-        for name in SYMBOLS:
+        for name in (*SYMBOLS, VECTOR_WIDTH):
             getattr(lib, name)
         return lib
     except (OSError, AttributeError) as e:

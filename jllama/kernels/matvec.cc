@@ -819,14 +819,17 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
   }
   (void)top;
 #else
+  // The same order of operations in plain loops over 16-float rows, which the compiler
+  // vectorizes (AVX2: two registers a row); exp is std::exp.
   for (int64_t j0 = 0; j0 < len; j0 += R) {
     const float* k = a.key_row(j0, g);
-    for (int64_t jj = 0; jj < R; ++jj) {
-      float acc[R] = {0};
-      for (int64_t d = 0; d < HD; ++d)
-        for (int64_t r = 0; r < R; ++r) acc[r] = std::fma(k[jj * HD + d], qt[d * R + r], acc[r]);
-      std::memcpy(st + (j0 + jj) * R, acc, sizeof acc);
-    }
+    float acc[R][R] = {};  // [key][row]
+    for (int64_t d = 0; d < HD; ++d)
+      for (int64_t jj = 0; jj < R; ++jj) {
+        const float kv = k[jj * HD + d];
+        for (int64_t r = 0; r < R; ++r) acc[jj][r] = std::fma(kv, qt[d * R + r], acc[jj][r]);
+      }
+    std::memcpy(st + j0 * R, acc, sizeof acc);
   }
   for (int64_t r = 0; r < R; ++r) {
     top[r] = -INFINITY;
@@ -841,13 +844,18 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
       s = r >= j - first ? std::exp(s - top[r]) : 0.0f;
       total[r] += s;
     }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = a.out + (t0 + r) * a.n_heads * HD + h * HD;
-    for (int64_t d = 0; d < HD; ++d) {
-      float acc = 0.0f;
-      for (int64_t j = 0; j < len; ++j) acc = std::fma(st[j * R + r], a.value_row(j, g)[d], acc);
-      o[d] = acc / total[r];
+  for (int64_t c = 0; c < D; ++c) {
+    float acc[R][16] = {};  // [row][column]
+    for (int64_t j = 0; j < len; ++j) {
+      const float* v = a.value_row(j, g) + c * 16;
+      for (int64_t r = 0; r < R; ++r) {
+        const float p = st[j * R + r];
+        for (int64_t i = 0; i < 16; ++i) acc[r][i] = std::fma(p, v[i], acc[r][i]);
+      }
     }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < 16; ++i)
+        a.out[(t0 + r) * a.n_heads * HD + h * HD + c * 16 + i] = acc[r][i] / total[r];
   }
 #endif
 }
@@ -1151,6 +1159,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_argmax_f32, ArgmaxF32,
                                   .Arg<F32Vector>()
                                   .Ret<S32Scalar>()
                                   .Ret<S32Scalar>());
+
+// Floats per vector register of this build's loops: 16 with AVX-512, else 1 (plain loops the
+// compiler may vectorize). The prefill attention kernel beats XLA's only with AVX-512: the
+// plain loops with std::exp ran 5-8x slower than XLA on this project's machine
+// (bench/NOTES.md), so jllama.kernels uses it only where this says 16.
+extern "C" int jllama_vector_width() {
+#if JLLAMA_AVX512
+  return 16;
+#else
+  return 1;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_f32, MatvecF32,
                               with_prologue(ffi::Ffi::Bind()
