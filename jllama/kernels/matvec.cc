@@ -471,6 +471,21 @@ class Helpers {
   std::atomic<int> sleeping_{0};
 };
 
+// Waits until done() holds: spins briefly (the work waited for finishes within microseconds),
+// then yields, since on fewer cores than threads the thread we wait for may need this core.
+template <typename Done>
+void wait_for(Done done) {
+  for (int spins = 0; !done(); ++spins) {
+    if (spins < 4096) {
+#if defined(__x86_64__) || defined(_M_X64)
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
 void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (threads == 1 || m * product.n < kMinParallelWeights || m < 2) {
@@ -490,18 +505,8 @@ void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
   helpers.offer(work);
   work->help();
   const auto own_rows_done = std::chrono::steady_clock::now();
-  // Every block is taken by now; wait for the ones a helper is still running. Spin briefly
-  // (they finish within microseconds), then yield: on fewer cores than threads the helper we
-  // wait for may need this core.
-  for (int spins = 0; !work->finished(); ++spins) {
-    if (spins < 4096) {
-#if defined(__x86_64__) || defined(_M_X64)
-      _mm_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  // Every block is taken by now; wait for the ones a helper is still running.
+  wait_for([&] { return work->finished(); });
   helpers.withdraw(work.get());
   helpers.waited(std::chrono::steady_clock::now() - own_rows_done);
 }
@@ -936,15 +941,8 @@ ffi::Error AttentionChunkF32(ffi::ThreadPool pool, F32Heads q, S32Scalar pos,
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jllama attention_chunk: out of memory");
   for (int64_t i = 1; i < work->threads; ++i) pool.Schedule([work] { work->help(); });
   work->help();
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->units; ++spins) {
-    if (spins < 4096) {
-#if defined(__x86_64__) || defined(_M_X64)
-      _mm_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  // Every tile is taken by now; wait for the ones a pool thread is still running.
+  wait_for([&] { return work->done.load(std::memory_order_acquire) >= work->units; });
   return ffi::Error::Success();
 }
 
