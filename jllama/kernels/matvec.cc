@@ -743,7 +743,7 @@ ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
 // result does not depend on the thread count:
 //   scores  s[j][r] = sum_d (q_r[d] / sqrt(head_dim)) * k_j[d], d = 0, 1, ... in one
 //           multiply-add chain, for keys j of the tile's rows (16 rows in the 16 lanes: the
-//           keys' rows are read as stored, each weight broadcast)
+//           keys' rows are read as stored, each element broadcast)
 //   softmax per row over its visible keys j <= pos + t0 + r: max, exp(s - max), their sum
 //           in j order
 //   values  out_r[d] = (sum_j p[j][r] * v_j[d], j = 0, 1, ...) / sum_r
