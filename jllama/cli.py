@@ -137,7 +137,7 @@ flags.DEFINE_enum(
     "jax backend: how decode computes its matrix-vector products and attention, and prefill "
     "its attention. kernel = jllama's CPU kernels (built once with the system's C++ compiler "
     "into $JLLAMA_HOME/kernels; int8 and bfloat16 weights stream at f32's bytes/s instead of "
-    "being widened by XLA; prefill's attention only where built with AVX-512); xla = jnp.dot "
+    "being widened by XLA; prefill's attention only where built with AVX-512 or AVX2); xla = jnp.dot "
     "and XLA's attention; auto = kernel on one CPU device when it builds, else xla.",
 )
 flags.DEFINE_enum(

@@ -374,8 +374,8 @@ def test_attention_chunk_refuses_bad_arguments():
     fits = functools.partial(kernels.attention_chunk_fits, fast_only=False)
     assert not fits(8, 256) and not fits(64, 250) and not fits(144, 256)
     assert fits(64, 256) and fits(16, 16) and fits(128, 32)
-    # Chosen by the prefill program only where the library has its AVX-512 loops.
-    assert kernels.attention_chunk_fits(64, 256) is (kernels.vector_width() == 16)
+    # Chosen by the prefill program only where the library has its AVX-512 or AVX2 loops.
+    assert kernels.attention_chunk_fits(64, 256) is (kernels.vector_width() >= 8)
     with pytest.raises(ValueError, match="no kernel for head_dim 8"):
         kernels.attention_chunk(jnp.zeros((2, 1, 8)), (jnp.zeros((1, 16, 8)),),
                                 (jnp.zeros((1, 16, 8)),), jnp.int32(0))
@@ -385,7 +385,7 @@ def test_the_prefill_attention_calls_the_kernel_only_when_asked_and_it_fits():
     from jllama import graphs
     from jllama.config import ModelConfig
 
-    for head_dim, fits in ((16, kernels.vector_width() == 16), (8, False)):
+    for head_dim, fits in ((16, kernels.vector_width() >= 8), (8, False)):
         config = ModelConfig(dim=4 * head_dim, hidden_dim=32, n_layers=1, n_heads=4,
                              n_kv_heads=2, vocab_size=10, seq_len=64)
         blocks = (jnp.zeros((2, 64, head_dim)),)
@@ -878,7 +878,9 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
         pytest.skip("x86-64 -march levels")
     monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
     lib = ctypes.CDLL(str(library.build(march=march)))
-    assert lib.jllama_vector_width() == 1  # no AVX-512 loops: prefill keeps XLA's attention
+    # AVX2 + FMA: the prefill attention's 8-lane loops; plain x86-64: none (prefill then
+    # keeps XLA's attention).
+    assert lib.jllama_vector_width() == {"x86-64-v3": 8, "x86-64": 1}[march]
     names = {}
     symbols = {**kernels.TARGETS, "int8_groups": kernels.GROUPED_INT8,
                "attention": kernels.ATTENTION, "argmax": kernels.ARGMAX,
@@ -935,7 +937,8 @@ def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatc
         got = jax.ffi.ffi_call(names["attention"], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
             q, pos, cur, key_cur, value_cur, *keys, *values)
         np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5, rtol=1e-5)
-    for case in [(3, 3, 64, 256, 2, 40, 250), (2, 1, 16, 16, 3, 17, 0)]:
+    for case in [(3, 3, 64, 256, 2, 40, 250), (2, 1, 16, 16, 3, 17, 0),
+                 (2, 2, 128, 64, 3, 29, 100), (1, 3, 48, 32, 2, 3, 60)]:
         (q, keys, values, pos), expected = _chunk_case(rng, *case)
         got = jax.ffi.ffi_call(names["attention_chunk"],
                                jax.ShapeDtypeStruct(expected.shape, jnp.float32))(

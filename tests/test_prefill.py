@@ -69,7 +69,7 @@ def test_prefill_logits_equal_token_by_token(model, n, start, request):
     batched, stepped = _fresh(config, weights), _fresh(config, weights, "numpy")
     # The attention kernel where it fits (matvec "auto" is the kernels on this CPU).
     fits = kernels.attention_chunk_fits(config.head_dim, batched.block_length)
-    assert (batched.matvec, fits) == ("kernel", model == "gqa16" and kernels.vector_width() == 16)
+    assert (batched.matvec, fits) == ("kernel", model == "gqa16" and kernels.vector_width() >= 8)
     for pos in range(start):  # a conversation's earlier turns, already in the cache
         batched.forward(tokens[pos], pos)
         stepped.forward(tokens[pos], pos)

@@ -271,15 +271,17 @@ def attention_chunk_fits(head_dim: int, block_length: int, *, fast_only: bool = 
     register of 16 floats per 16 dimensions), cache blocks a multiple of 16 positions (a tile
     of 16 keys never crosses a block). With fast_only (the prefill program's question), also
     whether the kernel is faster than XLA's attention here: only when the library was built
-    with AVX-512 (`vector_width`); its plain loops ran 5-8x slower than XLA's."""
+    with AVX-512 or AVX2 loops (`vector_width` 16 or 8); its plain loops ran 5-8x slower than
+    XLA's."""
     fits = head_dim % 16 == 0 and 16 <= head_dim <= 128 and block_length % 16 == 0
-    return fits and (not fast_only or vector_width() == 16)
+    return fits and (not fast_only or vector_width() >= 8)
 
 
 @functools.cache
 def vector_width() -> int:
-    """Floats per vector register of the loaded library's loops: 16 with AVX-512, else 1
-    (builds the library if needed, as `load`).
+    """Floats per vector register of the loaded library's explicit loops: 16 with AVX-512, 8
+    with AVX2 and FMA (the prefill attention only), else 1 (builds the library if needed, as
+    `load`).
 
     Raises:
       KernelBuildError: as `load`.

@@ -48,7 +48,7 @@ SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8",
 
 VECTOR_WIDTH = "jllama_vector_width"
 """A plain C function `matvec.cc` exports too: floats per vector register of the build's loops
-(16 with AVX-512, else 1)."""
+(16 with AVX-512, 8 with AVX2 and FMA, else 1)."""
 
 
 def compiler() -> list[str] | None:

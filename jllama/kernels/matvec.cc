@@ -159,6 +159,32 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if !JLLAMA_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define JLLAMA_AVX2 1
+// exp16's steps on 8 lanes (for the prefill attention's AVX2 loops): the same reduction and
+// polynomial, 2^n built in the exponent bits. x is clamped at -87 so that 2^n stays a normal
+// float (exp(-87) is 1.6e-38; the attention's weights that small add nothing to a sum of at
+// least 1).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 // sum_d a[d] * b[d] in 16 lanes then the tree of halve16 (a fixed order).
 inline float dot_head(const float* a, const float* b, int64_t n) {
 #if JLLAMA_AVX512
@@ -823,6 +849,76 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
                        _mm512_div_ps(acc[r], _mm512_set1_ps(total[r])));
   }
   (void)top;
+#elif JLLAMA_AVX2
+  // The same order of operations on AVX2's 16 registers of 8 lanes: the 16 rows as two halves
+  // (lo: rows 0-7, hi: 8-15), 4 keys or 4 rows at a time so that the sums stay in registers.
+  for (int64_t j0 = 0; j0 < len; j0 += R) {
+    const float* k = a.key_row(j0, g);
+    for (int64_t k4 = 0; k4 < R; k4 += 4) {
+      __m256 acc[4][2];
+      for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < HD; ++d) {
+        const __m256 lo = _mm256_load_ps(qt + d * R), hi = _mm256_load_ps(qt + d * R + 8);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 kv = _mm256_broadcast_ss(k + (k4 + i) * HD + d);
+          acc[i][0] = _mm256_fmadd_ps(kv, lo, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(kv, hi, acc[i][1]);
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        _mm256_store_ps(st + (j0 + k4 + i) * R, acc[i][0]);
+        _mm256_store_ps(st + (j0 + k4 + i) * R + 8, acc[i][1]);
+      }
+    }
+  }
+  // Key j is visible to the rows r >= j - first: lanes whose row index is at least that.
+  const __m256i lane_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lane_hi = _mm256_add_epi32(lane_lo, _mm256_set1_epi32(8));
+  auto visible = [&](int64_t j, const __m256i& lane) -> __m256 {
+    const int32_t below = static_cast<int32_t>(std::min<int64_t>(j - first, R)) - 1;
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(below)));
+  };
+  __m256 m[2] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
+  for (int64_t j = 0; j < len; ++j)
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const __m256 sv = _mm256_load_ps(st + j * R + 8 * h2);
+      m[h2] = _mm256_blendv_ps(m[h2], _mm256_max_ps(m[h2], sv), visible(j, h2 ? lane_hi : lane_lo));
+    }
+  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t j = 0; j < len; ++j)
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const __m256 e = _mm256_and_ps(visible(j, h2 ? lane_hi : lane_lo),
+                                     exp8(_mm256_sub_ps(_mm256_load_ps(st + j * R + 8 * h2), m[h2])));
+      _mm256_store_ps(st + j * R + 8 * h2, e);
+      sum[h2] = _mm256_add_ps(sum[h2], e);
+    }
+  _mm256_store_ps(total, sum[0]);
+  _mm256_store_ps(total + 8, sum[1]);
+  for (int64_t c = 0; c < D; ++c)
+    for (int64_t r4 = 0; r4 < rows; r4 += 4) {
+      __m256 acc[4][2];
+      for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+      for (int64_t j0 = 0; j0 < len; j0 += R) {
+        const float* v = a.value_row(j0, g) + c * 16;
+        const int64_t n = std::min(R, len - j0);
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const __m256 vlo = _mm256_loadu_ps(v + jj * HD), vhi = _mm256_loadu_ps(v + jj * HD + 8);
+          const float* p = st + (j0 + jj) * R + r4;
+          for (int i = 0; i < 4; ++i) {
+            const __m256 w = _mm256_broadcast_ss(p + i);
+            acc[i][0] = _mm256_fmadd_ps(w, vlo, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w, vhi, acc[i][1]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < 4 && r4 + i < rows; ++i) {
+        float* o = a.out + (t0 + r4 + i) * a.n_heads * HD + h * HD + c * 16;
+        const __m256 inv = _mm256_set1_ps(total[r4 + i]);
+        _mm256_storeu_ps(o, _mm256_div_ps(acc[i][0], inv));
+        _mm256_storeu_ps(o + 8, _mm256_div_ps(acc[i][1], inv));
+      }
+    }
+  (void)top;
 #else
   // The same order of operations in plain loops over 16-float rows, which the compiler
   // vectorizes (AVX2: two registers a row); exp is std::exp.
@@ -1158,13 +1254,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_argmax_f32, ArgmaxF32,
                                   .Ret<S32Scalar>()
                                   .Ret<S32Scalar>());
 
-// Floats per vector register of this build's loops: 16 with AVX-512, else 1 (plain loops the
-// compiler may vectorize). The prefill attention kernel beats XLA's only with AVX-512: the
-// plain loops with std::exp ran 5-8x slower than XLA on this project's machine
-// (bench/NOTES.md), so jllama.kernels uses it only where this says 16.
+// Floats per vector register of this build's explicit loops: 16 with AVX-512, 8 with AVX2 and
+// FMA (the prefill attention's loops only), else 1 (plain loops the compiler may vectorize).
+// The prefill attention kernel beats XLA's only with explicit loops: the plain ones with
+// std::exp ran 5-8x slower than XLA on this project's machine (bench/NOTES.md), so
+// jllama.kernels uses it only where this says 8 or more.
 extern "C" int jllama_vector_width() {
 #if JLLAMA_AVX512
   return 16;
+#elif JLLAMA_AVX2
+  return 8;
 #else
   return 1;
 #endif
