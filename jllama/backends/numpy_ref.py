@@ -67,7 +67,8 @@ def rope(vec: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
     """
     half = inv_freq.shape[0]
     pairs = vec.reshape(-1, half, 2)
-    cos, sin = (a[0] for a in rope_cos_sin(np.array([pos]), inv_freq))
+    cos, sin = rope_cos_sin(np.array([pos]), inv_freq)
+    cos, sin = cos[0], sin[0]
     v0, v1 = pairs[..., 0], pairs[..., 1]
     out = np.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], axis=-1)
     return out.reshape(vec.shape).astype(_F32)

@@ -802,7 +802,7 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < HD; ++d)
       qt[d * R + r] = r < rows ? a.q[((t0 + r) * a.n_heads + h) * HD + d] * scale : 0.0f;
-  alignas(64) float top[R], total[R];
+  alignas(64) float total[R];
 #if JLLAMA_AVX512
   // Scores, 16 keys at a time (a tile of keys never crosses a cache block: block % 16 == 0);
   // a last partial tile computes keys past len that nothing reads.
@@ -848,7 +848,6 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
       _mm512_storeu_ps(a.out + (t0 + r) * a.n_heads * HD + h * HD + c * 16,
                        _mm512_div_ps(acc[r], _mm512_set1_ps(total[r])));
   }
-  (void)top;
 #elif JLLAMA_AVX2
   // The same order of operations on AVX2's 16 registers of 8 lanes: the 16 rows as two halves
   // (lo: rows 0-7, hi: 8-15), 4 keys or 4 rows at a time so that the sums stay in registers.
@@ -918,7 +917,6 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
         _mm256_storeu_ps(o + 8, _mm256_div_ps(acc[i][1], inv));
       }
     }
-  (void)top;
 #else
   // The same order of operations in plain loops over 16-float rows, which the compiler
   // vectorizes (AVX2: two registers a row); exp is std::exp.
@@ -932,6 +930,7 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
       }
     std::memcpy(st + j0 * R, acc, sizeof acc);
   }
+  float top[R];
   for (int64_t r = 0; r < R; ++r) {
     top[r] = -INFINITY;
     total[r] = 0.0f;
@@ -985,11 +984,6 @@ struct ChunkWork {
   }
 };
 
-template <int D>
-void chunk_tile_for(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
-  chunk_tile<D>(a, h, tile, st);
-}
-
 ffi::Error AttentionChunkF32(ffi::ThreadPool pool, F32Heads q, S32Scalar pos,
                              ffi::RemainingArgs blocks, F32MatrixResult out) {
   const auto qd = q.dimensions();
@@ -1023,9 +1017,8 @@ ffi::Error AttentionChunkF32(ffi::ThreadPool pool, F32Heads q, S32Scalar pos,
   a.q = q.typed_data();
   a.out = out->typed_data();
   using Tile = void (*)(const ChunkAttention&, int64_t, int64_t, float*);
-  static constexpr Tile kTiles[8] = {chunk_tile_for<1>, chunk_tile_for<2>, chunk_tile_for<3>,
-                                     chunk_tile_for<4>, chunk_tile_for<5>, chunk_tile_for<6>,
-                                     chunk_tile_for<7>, chunk_tile_for<8>};
+  static constexpr Tile kTiles[8] = {chunk_tile<1>, chunk_tile<2>, chunk_tile<3>, chunk_tile<4>,
+                                     chunk_tile<5>, chunk_tile<6>, chunk_tile<7>, chunk_tile<8>};
   work->tile = kTiles[hd / 16 - 1];
   work->tiles = (t + kChunkTile - 1) / kChunkTile;
   work->units = work->tiles * n_heads;
