@@ -4,12 +4,14 @@ the shapes: each matrix starts where the one before ends, rounded up to 64 bytes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_backends import GQA_UNSHARED
 
 from jllama.backends import make_backend
-from jllama.packing import ALIGN, DECODE_ORDER, pack_in_decode_order
+from jllama.packing import ALIGN, DECODE_ORDER, HUGE_PAGE, host_buffer, pack_in_decode_order
 from jllama.quant import Int8Matrix
 from jllama.weights import cast_weights, random_weights, to_graph_weights
 
@@ -58,3 +60,31 @@ def test_the_cpu_backend_reads_its_weights_from_one_buffer(stories260k, dtype):
     b.prepare(config, cast_weights(weights, dtype))
     # device_put aliased the packed buffer: the device arrays lie end to end as packed
     _assert_end_to_end(_in_order(b.layers, b.wcls))
+
+
+def _huge_page_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(v, 16) for v in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_the_host_buffer_is_zeroed_aligned_and_on_huge_pages_where_linux_offers_them(huge_pages):
+    nbytes = 3 * HUGE_PAGE + 100
+    buffer = host_buffer(nbytes, huge_pages=huge_pages)
+    assert buffer.dtype == np.uint8 and buffer.shape == (nbytes,)
+    assert buffer.ctypes.data % (HUGE_PAGE if huge_pages else ALIGN) == 0
+    assert not buffer.any()
+    buffer[:] = 7  # writable; the pages are faulted in here
+    assert buffer[-1] == 7
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if huge_pages and thp.exists() and "[never]" not in thp.read_text():
+        # three whole 2 MiB pages fit; without the madvise "madvise" mode would give none
+        assert _huge_page_kib(buffer.ctypes.data) >= 3 * 2048
