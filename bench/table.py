@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/table.py results.jsonl [more.jsonl ...] [--plot=results.png]
     .venv/bin/python bench/run.py ... | .venv/bin/python bench/table.py
+    .venv/bin/python bench/table.py results.jsonl --summary=decode_tok_s   # the README's table
 
 One row per (shape, backend, dtype, prefill mode) with medians; decode tok/s also shows the
 range over the repetitions (the machine is shared: the range says how noisy it was). With
@@ -140,6 +141,34 @@ def markdown(records: list[dict], ranges: bool = False) -> str:
     return "\n".join(lines)
 
 
+def summary(records: list[dict], metric: str = "decode_tok_s") -> str:
+    """The short table for a README: one row per shape, one column per backend and dtype (and
+    per --vs program, for decode), each cell the median of `metric` (a row's last input wins,
+    whatever its prefill mode)."""
+    rows, other, shapes, _, commands = collect(records)
+    series = sorted({k[1:3] for k in rows if metric in rows[k]})
+    cells_of = {(k[0],) + k[1:3]: m[metric] for k, m in rows.items() if metric in m}
+    header = ["shape"] + [f"{b} {d}" for b, d in series]
+    if metric == "decode_tok_s":
+        header += [label(c) for c in commands]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for shape in shapes:
+        cells = [str(shape)] + [cell(cells_of.get((shape,) + ser)) for ser in series]
+        if metric == "decode_tok_s":
+            for command in commands:
+                values = other.get((shape, command))
+                cells.append(fmt(statistics.median(values)) if values else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def short_label(backend: str, dtype: str, prefill_mode: str) -> str:
+    """A plot legend's name for a series: "jax loop f32", "numpy f32 (token prefill)"."""
+    dtype = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
+    name = f"{backend.replace('jax:decode=', 'jax ')} {dtype}"
+    return name + (" (token prefill)" if prefill_mode == "token" else "")
+
+
 def plot(records: list[dict], path: str) -> None:
     """Bars of tok/s per shape, one panel per mode, one bar per backend/dtype (and --vs)."""
     import matplotlib
@@ -152,7 +181,7 @@ def plot(records: list[dict], path: str) -> None:
     series = sorted({k[1:] for k in rows})
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], modes):
-        labels = [f"{b} {d}" + (f" ({p})" if p != "token" else "") for b, d, p in series]
+        labels = [short_label(b, d, p) for b, d, p in series]
         heights = [
             [((rows.get((s,) + ser) or {}).get(mode) or {}).get("median") or 0 for s in shapes]
             for ser in series
@@ -175,8 +204,9 @@ def plot(records: list[dict], path: str) -> None:
             ax.text(0.5, 0.5, "n/a", transform=ax.transAxes, ha="center")
         ax.set_title(mode.replace("_tok_s", "").replace("_", " ") + " (tok/s, median)")
         ax.grid(axis="y", which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()  # decode's panel has every series
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 5), fontsize=9)
+    fig.tight_layout(rect=(0, 0.06 + 0.045 * ((len(names) - 1) // 5 + 1), 1, 1))
     fig.savefig(path, dpi=120)
 
 
@@ -185,13 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="*", help="JSON-lines files (default: stdin)")
     p.add_argument("--plot", default="", help="write a PNG bar plot here")
     p.add_argument("--ranges", action="store_true", help="show min-max for every column")
+    p.add_argument("--summary", default="",
+                   help="instead: one row per shape, a column per backend and dtype, of this "
+                        "metric's medians (e.g. decode_tok_s, prefill_512_tok_s)")
     args = p.parse_args(argv)
     records = read_records(args.inputs)
     errors = [r for r in records if r["metric"] == "error"]
     for r in errors:
         where = " ".join(str(r.get(k)) for k in ("shape", "backend", "dtype") if r.get(k))
         print(f"table.py: error in {where}: {r.get('error')}", file=sys.stderr)
-    print(markdown(records, ranges=args.ranges))
+    print(summary(records, args.summary) if args.summary else markdown(records, ranges=args.ranges))
     if args.plot:
         plot(records, args.plot)
         print(f"table.py: wrote {args.plot}", file=sys.stderr)

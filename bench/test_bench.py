@@ -51,6 +51,7 @@ def test_expand_and_label():
     assert vs.label("env OMP_NUM_THREADS=1 bench/.cache/run {checkpoint}") == (
         "run OMP_NUM_THREADS=1"
     )
+    assert vs.label("/x/llama-bench -m /tmp/a-F32.gguf -t 2 -p 0 -n 256") == "llama-bench a-F32.gguf"
     with pytest.raises(ValueError, match="placeholder"):
         vs.expand("run {model}", checkpoint="x", tokenizer="y")
 
@@ -125,6 +126,32 @@ def test_end_to_end_json_lines_parse_and_tabulate(tmp_path):
     table.plot(records, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert read_header(shapes.checkpoint(shapes.get_shape("stories260K"), tmp_path)).dim == 64
+
+
+def test_summary_is_a_row_per_shape_and_a_column_per_backend_and_dtype():
+    """Records written by hand: two shapes, two series, a --vs program on one shape only."""
+    run = "bench/.cache/run {checkpoint} -z {tokenizer} -n 256 -t 0"
+
+    def rec(shape, backend, dtype, metric, median, **extra):
+        return {"shape": shape, "backend": backend, "dtype": dtype, "metric": metric,
+                "median": median, "values": [median], **extra}
+
+    records = [
+        rec("a", "jax:decode=loop", "float32", "decode_tok_s", 100.0),
+        rec("a", "jax:decode=loop", "float32", "prefill_512_tok_s", 1234.5),
+        rec("a", "numpy", "float32", "decode_tok_s", 5.25),
+        rec("b", "jax:decode=loop", "float32", "decode_tok_s", 12.0),
+        {"shape": "a", "backend": "jax:decode=loop", "dtype": "float32", "metric":
+         "vs_decode_tok_s", "command": run, "median": 80.0, "values": [70.0, 80.0, 90.0]},
+    ]
+    assert table.summary(records).splitlines() == [
+        "| shape | jax:decode=loop float32 | numpy float32 | run |",
+        "| --- | --- | --- | --- |",
+        "| a | 100 | 5.25 | 80.0 |",
+        "| b | 12.0 |  |  |",
+    ]
+    assert table.summary(records, "prefill_512_tok_s").splitlines()[2:] == [
+        "| a | 1234 |", "| b |  |"]
 
 
 def test_ceiling_counts_a_tokens_f32_bytes():

@@ -38,8 +38,9 @@ def parse_tok_s(text: str) -> float | None:
 
 
 def label(template: str) -> str:
-    """A short name for a command: its program's file name, after any `env NAME=VALUE`
-    settings (e.g. "run OMP_NUM_THREADS=1")."""
+    """A short name for a command: its program's file name, then the file name after any
+    `-m` (llama-bench's model), then any `env NAME=VALUE` settings (e.g. "run
+    OMP_NUM_THREADS=1", "llama-bench smollm2-F32.gguf")."""
     words = shlex.split(template)
     if words and words[0].rsplit("/", 1)[-1] == "env":
         words = words[1:]
@@ -47,7 +48,9 @@ def label(template: str) -> str:
     while words and "=" in words[0] and not words[0].startswith(("-", "{")):
         settings.append(words.pop(0))
     program = words[0].rsplit("/", 1)[-1] if words else "other"
-    return " ".join([program] + settings)
+    # llama-bench's model file tells two of its commands apart (F32 against Q4_1)
+    model = [words[i + 1].rsplit("/", 1)[-1] for i in range(1, len(words) - 1) if words[i] == "-m"]
+    return " ".join([program] + model[:1] + settings)
 
 
 def expand(template: str, **values: str) -> list[str]:
