@@ -22,16 +22,21 @@ Metrics: load_s, compile_s, warmup_s, ttft_s (time to first token after a 128-to
 seconds), prefill_N_tok_s, decode_tok_s, decode_gb_s (weights streamed per second at that
 rate, 10^9 bytes/s), weights_mb_per_token (10^6 bytes), peak_rss_mb (10^6 bytes); with --vs,
 vs_decode_tok_s and decode_ratio_vs. A metric that cannot be measured (a prompt longer than
-the context) has "median": null and "skipped"; a failed run gives a "metric": "error" line.
-Progress goes to stderr.
+the context) has "median": null and "skipped"; a failed run gives a "metric": "error" line
+saying why. Progress goes to stderr.
+
+Every flag is checked before any work: a bad one is one line on stderr naming it, exit status
+1, nothing written. `--out` gets all the lines at once when the run ends (a Ctrl-C leaves it as
+it was). Exit status 1 too when any run failed (after every line, with a count on stderr),
+130 on Ctrl-C (the workers and --vs programs are killed).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -45,6 +50,17 @@ sys.path.insert(0, str(HERE))
 
 import shapes as shapes_mod  # bench/ is not a package: its modules are imported by file name
 import vs as vs_mod
+import worker as worker_mod
+from cli import (
+    BenchError,
+    guarded,
+    positive_int,
+    positive_ints,
+    positive_seconds,
+    rate,
+    writable_file,
+    write_whole,
+)
 
 UNITS = {
     "load_s": "s", "prepare_s": "s", "compile_s": "s", "compile_total_s": "s",
@@ -59,8 +75,21 @@ def _csv(text: str) -> list[str]:
     return [w.strip() for w in text.split(",") if w.strip()]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose own errors (an unknown flag, --reps=abc) are one line, exit 1, like the
+    checks after parsing."""
+
+    def error(self, message: str):
+        raise BenchError(message)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    """The flags, every one checked (`check_args`) before any work.
+
+    Raises:
+      BenchError: a bad flag; the message names it and what is wrong.
+    """
+    p = _Parser(
         description="jllama speed benchmark (JSON lines on stdout)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -68,8 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, of: {', '.join(shapes_mod.SHAPES)}")
     p.add_argument("--backends", default="jax,numpy",
                    help='comma-separated; NAME:KEY=VALUE passes an option to the backend, e.g. '
-                        '"jax:decode=fused"')
-    p.add_argument("--dtypes", default="float32,bfloat16")
+                        '"jax:decode=fused" (jax: decode, matvec, devices; numpy: none)')
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help=f"comma-separated, of: {', '.join(worker_mod.DTYPES)}")
     p.add_argument("--reps", type=int, default=3, help="fresh processes per combination")
     p.add_argument("--prefill_lengths", default="128,512", help="prompt lengths, tokens")
     p.add_argument("--decode_tokens", type=int, default=256,
@@ -89,28 +119,107 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="folder for the random-weight checkpoints")
     p.add_argument("--seq_len", type=int, default=0, help="cap on the context, 0 = the model's")
     p.add_argument("--threads", type=int, default=0, help="cores per worker, 0 = all")
-    p.add_argument("--out", default="", help="also append the JSON lines to this file")
+    p.add_argument("--out", default="",
+                   help="also append the JSON lines to this file (all at once, at the end)")
     args = p.parse_args(argv)
-    if args.reps < 1:
-        p.error("--reps must be at least 1")
-    for shape in _csv(args.shapes):
-        if shape not in shapes_mod.SHAPES:
-            p.error(f"unknown shape {shape!r}; known: {', '.join(shapes_mod.SHAPES)}")
+    check_args(args)
     return args
 
 
-class Emitter:
-    """Writes JSON lines to stdout (flushed, so a pipe sees each as it comes) and to `file`."""
+def _at_least_one(flag: str, text: str) -> list[str]:
+    words = _csv(text)
+    if not words:
+        raise BenchError(f"{flag}={text!r}: give at least one value")
+    return words
 
-    def __init__(self, file=None):
-        self.file = file
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag checked before any work starts (and before any output): one BenchError
+    naming the flag at the first bad one, so no worker is started to fail on it."""
+    positive_int("--reps", args.reps)
+    for shape in _at_least_one("--shapes", args.shapes):
+        if shape not in shapes_mod.SHAPES:
+            raise BenchError(f"--shapes: unknown shape {shape!r}; known: "
+                             f"{', '.join(shapes_mod.SHAPES)}")
+    for dtype in _at_least_one("--dtypes", args.dtypes):
+        if dtype not in worker_mod.DTYPES:
+            raise BenchError(f"--dtypes: unknown dtype {dtype!r}; known: "
+                             f"{', '.join(worker_mod.DTYPES)}")
+    for spec in _at_least_one("--backends", args.backends):
+        try:
+            name, options = worker_mod.parse_backend(spec)
+            worker_mod.backend_options(name, options)
+        except ValueError as e:
+            raise BenchError(f"--backends: {e}") from None
+        if args.prefill_mode == "batched" and name == "numpy":
+            from jllama.backends.numpy_ref import NumpyBackend
+
+            if not callable(getattr(NumpyBackend, "prefill", None)):
+                raise BenchError("--prefill_mode=batched: the numpy backend has no batched "
+                                 "prefill (use token, or auto)")
+    positive_ints("--prefill_lengths", args.prefill_lengths)
+    positive_int("--decode_tokens", args.decode_tokens)
+    if args.seq_len < 0 or args.seq_len == 1:
+        raise BenchError(f"--seq_len={args.seq_len}: must be 0 (the model's) or at least 2 "
+                         "(the first token and one timed)")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not 0 <= args.threads <= (cpus or 1):
+        raise BenchError(f"--threads={args.threads}: must be 0 (all) up to the {cpus} CPUs "
+                         "this process may use")
+    positive_seconds("--timeout_s", args.timeout_s)
+    _check_cache("--cache", Path(args.cache))
+    for template in args.vs:
+        try:
+            vs_mod.check(template)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    if args.out:
+        writable_file("--out", args.out)
+
+
+def _check_cache(flag: str, path: Path) -> None:
+    """A folder that exists, or can be made, and can be written to."""
+    if path.exists():
+        if not path.is_dir():
+            raise BenchError(f"{flag}={path}: is a file, not a folder")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise BenchError(f"{flag}={path}: the folder is not writable")
+        return
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise BenchError(f"{flag}={path}: cannot be made, {above} is a file")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise BenchError(f"{flag}={path}: cannot be made, {above} is not writable")
+
+
+class Emitter:
+    """Prints JSON lines to stdout (flushed, so a pipe sees each as it comes) and keeps them
+    for --out, which gets them all at once at the end (`save`). Counts the runs made and the
+    "error" records among the lines."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.runs = 0
+        self.errors = 0
 
     def __call__(self, record: dict) -> None:
-        line = json.dumps(record)
+        line = json.dumps(worker_mod.finite(record), allow_nan=False)
+        if record.get("metric") == "error":
+            self.errors += 1
         print(line, flush=True)
-        if self.file:
-            self.file.write(line + "\n")
-            self.file.flush()
+        self.lines.append(line)
+
+    def save(self, path: str) -> None:
+        """Appends every line to `path` in one step: a copy of the file with the lines added
+        replaces it, so the file is its old self or has the whole run, never part of one."""
+        target = Path(os.path.realpath(path))
+        old = target.read_bytes() if target.exists() else b""
+        if old and not old.endswith(b"\n"):
+            old += b"\n"
+        new = "".join(line + "\n" for line in self.lines).encode()
+        write_whole(target, lambda tmp: tmp.write_bytes(old + new))  # keeps the file's mode
 
 
 def log(message: str) -> None:
@@ -156,19 +265,35 @@ def run_worker(args: argparse.Namespace, checkpoint: Path, backend: str, dtype: 
             argv, check=False, capture_output=True, text=True, timeout=args.timeout_s
         )
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout_s:g} s"}
+        return {"error": f"worker timed out after {args.timeout_s:g} s"}
+    except OSError as e:
+        return {"error": f"worker could not start: {e}"}
     lines = [l for l in done.stdout.splitlines() if l.strip()]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"error": f"worker exited {done.returncode}: {tail}"}
+        how = (f"was killed by signal {-done.returncode}" if done.returncode < 0
+               else f"exited with status {done.returncode}")
+        return {"error": f"worker {how}: {tail}"}
     try:
-        return json.loads(lines[-1])
+        result = json.loads(lines[-1])
     except json.JSONDecodeError:
         return {"error": f"worker printed no JSON: {lines[-1][:200]}"}
+    if not isinstance(result, dict):
+        return {"error": f"worker printed no JSON object: {lines[-1][:200]}"}
+    if rate(result.get("decode_tok_s")) is None:
+        return {"error": f"worker measured no decode rate "
+                         f"(decode_tok_s={result.get('decode_tok_s')!r})"}
+    return worker_mod.finite(result)
+
+
+def _number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def metric_lines(key: dict, runs: list[dict]) -> list[dict]:
-    """One record per metric over the successful `runs` (medians), plus skipped metrics."""
+    """One record per metric over the successful `runs` (medians of the finite values; None
+    where there are none), plus skipped metrics."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return []
@@ -179,10 +304,11 @@ def metric_lines(key: dict, runs: list[dict]) -> list[dict]:
     names[at:at] = prefill
     records = []
     for name in names:
-        values = [r[name] for r in ok if name in r]
+        values = [r[name] for r in ok if name in r and _number(r[name])]
         unit = UNITS.get(name, "tok/s")
         record = {**key, "prefill_mode": ok[0]["prefill_mode"], "metric": name, "unit": unit,
-                  "median": statistics.median(values), "values": values, "reps": len(values)}
+                  "median": statistics.median(values) if values else None, "values": values,
+                  "reps": len(values)}
         if name == "decode_tok_s":
             record["tokens"] = ok[0]["decode_tokens"]
         elif name == "ttft_s":
@@ -197,16 +323,17 @@ def metric_lines(key: dict, runs: list[dict]) -> list[dict]:
 
 
 def vs_lines(key: dict, command: str, runs: list[dict], others: list[dict]) -> list[dict]:
-    """The other program's decode rate and the per-pair ratios jllama / other."""
-    rates = [o["tok_s"] for o in others if o["tok_s"] is not None]
+    """The other program's decode rate and the per-pair ratios jllama / other; an "error"
+    record for each run of it that gave no rate (a finite number > 0), saying why."""
+    rates = [rate(o["tok_s"]) for o in others if rate(o["tok_s"]) is not None]
     records = []
     if rates:
         records.append({**key, "metric": "vs_decode_tok_s", "unit": "tok/s", "command": command,
                         "median": statistics.median(rates), "values": rates, "reps": len(rates)})
     pairs = [
-        r["decode_tok_s"] / o["tok_s"]
+        r["decode_tok_s"] / rate(o["tok_s"])
         for r, o in zip(runs, others)
-        if "error" not in r and o["tok_s"]
+        if "error" not in r and rate(r.get("decode_tok_s")) and rate(o["tok_s"])
     ]
     if pairs:
         ours = statistics.median([r["decode_tok_s"] for r in runs if "error" not in r])
@@ -214,15 +341,15 @@ def vs_lines(key: dict, command: str, runs: list[dict], others: list[dict]) -> l
                         "median": statistics.median(pairs), "values": pairs, "reps": len(pairs),
                         "ratio_of_medians": ours / statistics.median(rates)})
     for i, o in enumerate(others):
-        if o["tok_s"] is None:
-            how = ("timed out or could not start" if o["returncode"] is None
-                   else f"exited {o['returncode']}")
+        if rate(o["tok_s"]) is None:
+            why = o.get("error") or f"printed no usable tok/s rate ({o['tok_s']!r})"
             records.append({**key, "metric": "error", "rep": i, "command": command,
-                            "error": f"--vs {how}, no tok/s read: {o['tail']!r}"})
+                            "error": f"--vs {vs_mod.label(command)} {why}"})
     return records
 
 
 def bench_shape(args, name: str, emit: Emitter) -> None:
+    """Every backend x dtype x repetition of one shape (and the --vs programs after each)."""
     shape = shapes_mod.get_shape(name)
     cache = Path(args.cache)
     start = time.perf_counter()
@@ -239,8 +366,11 @@ def bench_shape(args, name: str, emit: Emitter) -> None:
                 for c in args.vs
             ]
     except Exception as e:  # noqa: BLE001  (a bad shape must not stop the others)
+        emit.runs += 1
         emit({"shape": name, "metric": "error", "error": f"{type(e).__name__}: {e}"})
+        log(f"[{name}] {type(e).__name__}: {e}")
         return
+    names = vs_mod.labels(args.vs)
     log(f"[{name}] {checkpoint} ready in {time.perf_counter() - start:.1f} s")
     for backend in _csv(args.backends):
         for dtype in _csv(args.dtypes):
@@ -249,6 +379,7 @@ def bench_shape(args, name: str, emit: Emitter) -> None:
             for rep in range(args.reps):
                 key["load1"].append(round(os.getloadavg()[0], 2))  # how busy the machine was
                 result = run_worker(args, checkpoint, backend, dtype)
+                emit.runs += 1
                 runs.append(result)
                 what = result.get("error") or f"decode {result['decode_tok_s']:.1f} tok/s"
                 log(f"[{name} {backend} {dtype} rep {rep + 1}/{args.reps}] {what}")
@@ -256,9 +387,10 @@ def bench_shape(args, name: str, emit: Emitter) -> None:
                     emit({**key, "metric": "error", "rep": rep, "error": result["error"]})
                 for i, argv in enumerate(vs_argvs):
                     other = vs_mod.run_other(argv, args.timeout_s)
+                    emit.runs += 1
                     others[i].append(other)
-                    log(f"[{name} vs {vs_mod.label(args.vs[i])} rep {rep + 1}/{args.reps}] "
-                        f"decode {other['tok_s']} tok/s")
+                    what = other["error"] or f"decode {other['tok_s']:.1f} tok/s"
+                    log(f"[{name} vs {names[args.vs[i]]} rep {rep + 1}/{args.reps}] {what}")
             for record in metric_lines(key, runs):
                 emit(record)
             mode = next((r["prefill_mode"] for r in runs if "error" not in r), args.prefill_mode)
@@ -268,14 +400,23 @@ def bench_shape(args, name: str, emit: Emitter) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Checks every flag, runs every combination, appends the lines to --out at the end; exit
+    status 1 when any run failed (its "error" line says why), after everything is printed."""
     args = parse_args(argv)
-    with contextlib.ExitStack() as stack:
-        emit = Emitter(stack.enter_context(open(args.out, "a")) if args.out else None)
-        emit(meta(args))
-        for name in _csv(args.shapes):
-            bench_shape(args, name, emit)
+    emit = Emitter()
+    emit(meta(args))
+    for name in _csv(args.shapes):
+        bench_shape(args, name, emit)
+    if args.out:
+        try:
+            emit.save(args.out)
+        except OSError as e:
+            raise BenchError(f"--out={args.out}: could not write: {e}") from None
+    if emit.errors:
+        log(f"run.py: {emit.errors} of {emit.runs} runs failed (see the error lines)")
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded("run.py", main))

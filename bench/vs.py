@@ -18,10 +18,17 @@ of llama.cpp's `llama-bench` table (`| ... | tg256 | 88.80 ± 0.70 |`: the mean)
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import shlex
+import shutil
+import string
 import subprocess
 import time
+from pathlib import Path
+
+from cli import last_line  # bench/ is not a package: by file name
 
 _RUNC = re.compile(r"achieved tok/s:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*$", re.MULTILINE)
 _JLLAMA = re.compile(r"achieved tok/s:.*\bdecode\s+([0-9]+(?:\.[0-9]*)?)")
@@ -53,25 +60,111 @@ def label(template: str) -> str:
     return " ".join([program] + model[:1] + settings)
 
 
+def labels(templates: list[str]) -> dict[str, str]:
+    """Names for several commands, distinct from each other: each one's `label`, and where two
+    or more share it, that label followed by the words of the command that differ among
+    them, with the flag before a differing value (e.g. "run {checkpoint} -t 1" and "run
+    {checkpoint} -t 2" -> "run -t 1", "run -t 2")."""
+    out: dict[str, str] = {}
+    groups: dict[str, list[str]] = {}
+    for t in dict.fromkeys(templates):
+        groups.setdefault(label(t), []).append(t)
+    for name, group in groups.items():
+        if len(group) == 1:
+            out[group[0]] = name
+            continue
+        split = [shlex.split(t) for t in group]
+        common = set.intersection(*(set(words) for words in split))
+        for t, words in zip(group, split):
+            differ = [j for j in range(1, len(words)) if words[j] not in common]
+            # a differing value keeps its flag: "-t 2", not "2"
+            keep = sorted({j - 1 for j in differ if words[j - 1].startswith("-")} | set(differ))
+            extra = " ".join(words[j] for j in keep if j >= 1)
+            out[t] = f"{name} {extra}" if extra else name
+    taken: dict[str, int] = {}
+    for n in out.values():
+        taken[n] = taken.get(n, 0) + 1
+    # still alike (they differ in the program's folder, say): the whole command says which
+    return {t: (t if taken[n] > 1 else n) for t, n in out.items()}
+
+
 def expand(template: str, **values: str) -> list[str]:
     """The argument list of `template` with `{name}` replaced by `values[name]` in each word.
 
     Raises:
-      ValueError: a placeholder other than those given, or unbalanced quotes.
+      ValueError: a placeholder other than those given, a stray brace, or unbalanced quotes.
     """
-    words = shlex.split(template)
     try:
+        words = shlex.split(template)
+    except ValueError as e:  # shlex says "No closing quotation" / "No escaped character"
+        raise ValueError(f"--vs {template!r}: cannot be split like a shell line: {e}") from None
+    known = ", ".join(f"{{{k}}}" for k in values)
+    try:
+        for word in words:
+            for _, field, _, _ in string.Formatter().parse(word):
+                if field is not None and field not in values:
+                    raise ValueError(f"--vs {template!r}: unknown placeholder {{{field}}} "
+                                     f"(known: {known})")
         return [w.format(**values) for w in words]
-    except (KeyError, IndexError) as e:
-        known = ", ".join(f"{{{k}}}" for k in values)
-        raise ValueError(f"--vs: unknown placeholder {e} (known: {known})") from None
+    except ValueError as e:
+        if str(e).startswith("--vs"):
+            raise
+        # a lone "{" or "}", a bad format spec
+        raise ValueError(f"--vs {template!r}: {e} (placeholders: {known}; "
+                         "write {{ and }} for a brace)") from None
+
+
+PLACEHOLDERS = ("checkpoint", "tokenizer")
+"""What a --vs template may name: the shape's llama2.c file and a tokenizer file."""
+
+
+def program(argv: list[str]) -> str | None:
+    """The program an argument list runs: its first word, or after a leading `env` the first
+    word that is not a NAME=VALUE setting (None when there is none)."""
+    words = list(argv)
+    if words and words[0].rsplit("/", 1)[-1] == "env":
+        words = words[1:]
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            words.pop(0)
+    return words[0] if words else None
+
+
+def check(template: str, placeholders: tuple[str, ...] = PLACEHOLDERS) -> None:
+    """Refuse, before any run, a --vs template that cannot run: empty, unbalanced quotes, an
+    unknown placeholder (only `placeholders`, by default `PLACEHOLDERS`), or a program that is neither an executable file
+    (a path with a "/") nor a name found on PATH; `env` itself and the program after its
+    settings are both checked.
+
+    Raises:
+      ValueError: one line naming --vs, the template and what is wrong.
+    """
+    argv = expand(template, **{k: f"{{{k}}}" for k in placeholders})
+    if not argv:
+        raise ValueError(f"--vs {template!r}: empty, give a command")
+    for word in dict.fromkeys([argv[0], program(argv)]):
+        if word is None:
+            raise ValueError(f"--vs {template!r}: names no program after its settings")
+        if "/" in word:
+            path = Path(word)
+            if not path.is_file():
+                raise ValueError(f"--vs {template!r}: program {word} does not exist"
+                                 + (" (it is a folder)" if path.is_dir() else ""))
+            if not os.access(path, os.X_OK):
+                raise ValueError(f"--vs {template!r}: program {word} is not executable")
+        elif shutil.which(word) is None:
+            hint = " (environment settings go through `env NAME=VALUE`)" if "=" in word else ""
+            raise ValueError(f"--vs {template!r}: program {word!r} is not found on PATH{hint}")
 
 
 def run_other(argv: list[str], timeout_s: float) -> dict:
-    """Run `argv` once; returns {"tok_s": float or None, "wall_s", "returncode", "tail"}.
+    """Run `argv` once; returns {"tok_s": float or None, "wall_s", "returncode", "tail",
+    "error"}.
 
-    "tail" is the last 400 characters of its output, kept for the error line when no rate
-    could be read. A timeout gives returncode None.
+    "tok_s" is a finite rate > 0 or None; when None, "error" says why in words ("could not
+    start: [Errno 2] ...", "exited with status 3: <its last line>", "timed out after 5 s",
+    "printed no tok/s rate: <its last line>", "printed no usable tok/s rate: ..."), else it
+    is None. "tail" is the last 400 characters of its output. A timeout or a failed start
+    gives returncode None.
     """
     start = time.perf_counter()
     try:
@@ -82,10 +175,23 @@ def run_other(argv: list[str], timeout_s: float) -> dict:
     except subprocess.TimeoutExpired as e:
         text = (e.output or b"").decode("utf-8", "replace")
         return {"tok_s": None, "wall_s": time.perf_counter() - start, "returncode": None,
-                "tail": text[-400:]}
+                "tail": text[-400:], "error": f"timed out after {timeout_s:g} s"}
     except OSError as e:
-        return {"tok_s": None, "wall_s": 0.0, "returncode": None, "tail": str(e)}
+        return {"tok_s": None, "wall_s": 0.0, "returncode": None, "tail": str(e),
+                "error": f"could not start: {e}"}
     text = done.stdout.decode("utf-8", "replace")
-    rate = parse_tok_s(text) if done.returncode == 0 else None
-    return {"tok_s": rate, "wall_s": time.perf_counter() - start,
-            "returncode": done.returncode, "tail": text[-400:]}
+    out = {"tok_s": None, "wall_s": time.perf_counter() - start,
+           "returncode": done.returncode, "tail": text[-400:], "error": None}
+    if done.returncode != 0:
+        how = (f"was killed by signal {-done.returncode}" if done.returncode < 0
+               else f"exited with status {done.returncode}")
+        out["error"] = f"{how}: {last_line(text)}"
+        return out
+    found = parse_tok_s(text)
+    if found is None:
+        out["error"] = f"printed no tok/s rate: {last_line(text)}"
+    elif not (math.isfinite(found) and found > 0):
+        out["error"] = f"printed no usable tok/s rate: {found} is not a finite number > 0"
+    else:
+        out["tok_s"] = found
+    return out

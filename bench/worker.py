@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import sys
 import time
 
 import numpy as np
+
+DTYPES = ("float32", "bfloat16", "int8")
+"""What --dtype takes (`jllama.loading.open_model`'s dtypes)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +48,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", required=True,
                    help='a backend name, optionally with constructor options: "jax", "numpy", '
                         '"jax:decode=fused"')
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "int8"))
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--prefill_lengths", default="128,512", help="prompt lengths, tokens")
     p.add_argument("--decode_tokens", type=int, default=256, help="tokens timed after the first")
     p.add_argument("--prefill_mode", default="token", choices=("token", "batched", "auto"))
@@ -77,15 +81,67 @@ def streamed_bytes_per_token(weights) -> int:
 
 
 def parse_backend(spec: str) -> tuple[str, dict[str, str]]:
-    """`NAME[:KEY=VALUE[:KEY=VALUE...]]` as (name, options for `make_backend`)."""
+    """`NAME[:KEY=VALUE[:KEY=VALUE...]]` as (name, options as written).
+
+    Raises:
+      ValueError: an option that is not KEY=VALUE, or a KEY given twice.
+    """
     name, *pairs = spec.split(":")
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"backend option {pair!r} in {spec!r} is not KEY=VALUE")
+        if key in options:
+            raise ValueError(f"backend option {key!r} is given twice in {spec!r}")
         options[key] = value
     return name, options
+
+
+def backend_options(name: str, options: dict[str, str]) -> dict:
+    """The keyword arguments `make_backend(name, ...)` gets for the options written on the
+    command line (`parse_backend`): checked against what the backend's constructor takes,
+    `devices` as an integer.
+
+    The numpy backend takes none; the jax backend `decode` (`DECODE_MODES`), `matvec`
+    (`MATVEC`) and `devices` (an integer >= 1). Importing the jax backend (to read its mode
+    names) happens only when it is given options.
+
+    Raises:
+      ValueError: an unknown backend, an option it does not take, or a value it does not
+        accept; the message names them and what is known.
+    """
+    from jllama.backends import backend_names
+
+    if name not in backend_names():
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+    if name == "numpy":
+        if options:
+            given = ", ".join(f"{k}={v}" for k, v in options.items())
+            raise ValueError(f"the numpy backend takes no options, got {given}")
+        return {}
+    if not options:
+        return {}
+    from jllama.backends.jax_graph import DECODE_MODES, MATVEC
+
+    out: dict = {}
+    for key, value in options.items():
+        if key in ("decode", "matvec"):
+            known = DECODE_MODES if key == "decode" else MATVEC
+            if value not in known:
+                raise ValueError(f"{name}:{key}={value!r} is not one of {', '.join(known)}")
+            out[key] = value
+        elif key == "devices":
+            try:
+                out[key] = int(value)
+            except ValueError:
+                out[key] = 0
+            if out[key] < 1:
+                raise ValueError(f"{name}:devices={value!r} is not an integer >= 1")
+        else:
+            raise ValueError(f"the {name} backend has no option {key!r}; known: decode, "
+                             "matvec, devices")
+    return out
 
 
 def resolve_mode(mode: str, backend) -> str:
@@ -193,7 +249,7 @@ def measure(args: argparse.Namespace) -> dict:
     out["load_s"] = time.perf_counter() - start
     config = model.config
     name, options = parse_backend(args.backend)
-    backend = make_backend(name, **options)
+    backend = make_backend(name, **backend_options(name, options))
     start = time.perf_counter()
     backend.prepare(config, model.weights)
     out["prepare_s"] = time.perf_counter() - start
@@ -240,10 +296,22 @@ def measure(args: argparse.Namespace) -> dict:
     return out
 
 
+def finite(value):
+    """`value` with every float that is not finite (inf, nan) replaced by None, in dicts and
+    lists too: what JSON can hold (`json.dumps(..., allow_nan=False)`)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     result = measure(args)
-    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.write(json.dumps(finite(result), allow_nan=False) + "\n")
     return 0
 
 
