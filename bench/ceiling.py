@@ -25,7 +25,6 @@ any work; so is a --vs run that fails, times out or prints no positive rate.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -42,7 +41,15 @@ sys.path.insert(0, str(HERE))
 
 import shapes as shapes_mod  # bench/ is not a package: its modules are imported by file name
 import vs as vs_mod
-from cli import BenchError, guarded, last_line, positive_int, positive_seconds, rate
+from cli import (
+    BenchError,
+    Parser,
+    guarded,
+    last_line,
+    positive_int,
+    positive_seconds,
+    rate,
+)
 
 SOURCE = HERE / "stream_read.cc"
 CXXFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -57,6 +64,11 @@ def f32_bytes_per_token(config) -> int:
     layer += 2 * c.dim
     row = 0 if c.shared_weights else c.dim
     return 4 * (c.n_layers * layer + c.dim + c.vocab_size * c.dim + row)
+
+
+def _sig(x: float) -> float:
+    """x to 4 significant figures (a tiny rate must not print as 0.0)."""
+    return float(f"{x:.4g}")
 
 
 def binary_name() -> str:
@@ -122,26 +134,22 @@ def check_vs(template: str, **values: str) -> list[str]:
 
 
 def run_vs(argv: list[str], timeout_s: float, flag: str = "--vs") -> str:
-    """Runs `argv` once (stdin empty) and returns what it printed, stdout and stderr together.
+    """Runs `argv` once (`vs.run_other`: stdin empty, output kept to its last 64 KiB per
+    stream, the program killed past `timeout_s`) and returns what it printed, stdout then
+    stderr.
 
     Raises:
-      BenchError: it could not start, ran past `timeout_s` (killed), or exited with a
-        non-zero status (the message gives its last line of output).
+      BenchError: it could not start, was stopped (timeout, too much output), was killed by
+        a signal or exited with a non-zero status; the message says which, with its last
+        line of output (stderr's when it has one).
     """
-    try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"{flag} ran longer than --timeout_s={timeout_s:g} s and was "
-                         f"stopped: {shlex.join(argv)}") from None
-    except OSError as e:
-        raise BenchError(f"{flag}: cannot run {argv[0]}: {e.strerror or e}") from None
-    text = done.stdout.decode("utf-8", "replace")
-    if done.returncode < 0:
-        raise BenchError(f"{flag} was killed by signal {-done.returncode}: {last_line(text)}")
-    if done.returncode != 0:
-        raise BenchError(f"{flag} exited with status {done.returncode}: {last_line(text)}")
-    return text
+    ran = vs_mod.run_other(argv, timeout_s)
+    if ran["returncode"] != 0:
+        if ran["error"].startswith("timed out"):
+            raise BenchError(f"{flag} ran longer than --timeout_s={timeout_s:g} s and was "
+                             f"stopped: {shlex.join(argv)}")
+        raise BenchError(f"{flag} {ran['error']}")
+    return ran["text"]
 
 
 def shape_list(text: str) -> list:
@@ -187,7 +195,7 @@ def _read_bandwidth(binary: Path, nbytes: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="stories15M,stories110M",
                    help="comma-separated random-weight shapes of bench/shapes.py")
     p.add_argument("--reps", type=int, default=5, help="pairs of measurements per shape")
@@ -228,13 +236,13 @@ def main(argv: list[str] | None = None) -> int:
             ceilings.append(ceiling)
             others.append(tok_s)
             ratios.append(ceiling / tok_s)
-            print(json.dumps({**key, "rep": rep + 1, **read, "ceiling_tok_s": round(ceiling, 1),
+            print(json.dumps({**key, "rep": rep + 1, **read, "ceiling_tok_s": _sig(ceiling),
                               "other_tok_s": tok_s, "other": other_label}), flush=True)
         print(json.dumps({**key, "metric": "ceiling_ratio_vs", "other": other_label,
-                          "median": round(statistics.median(ratios), 3),
-                          "values": [round(r, 3) for r in ratios],
-                          "ceiling_tok_s": round(statistics.median(ceilings), 1),
-                          "other_tok_s": round(statistics.median(others), 1)}), flush=True)
+                          "median": _sig(statistics.median(ratios)),
+                          "values": [_sig(r) for r in ratios],
+                          "ceiling_tok_s": _sig(statistics.median(ceilings)),
+                          "other_tok_s": _sig(statistics.median(others))}), flush=True)
     return 0
 
 

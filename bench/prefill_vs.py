@@ -32,7 +32,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from ceiling import check_vs, run_vs  # bench/ is not a package
-from cli import BenchError, guarded, last_line, positive_int, positive_seconds, rate
+from cli import (
+    BenchError,
+    Parser,
+    guarded,
+    last_line,
+    positive_int,
+    positive_seconds,
+    rate,
+)
 
 _PP = re.compile(r"\|\s*pp([0-9]+)\s*\|\s*([0-9]+(?:\.[0-9]*)?)\s*±")
 
@@ -154,7 +162,7 @@ def run_jllama(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from jllama.weights import DTYPES
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--vs", required=True,
                    help="a llama-bench command line with -p N -n 0 ({tokens} becomes --tokens)")

@@ -18,8 +18,8 @@ average before each repetition; the machine is shared):
      "prefill_mode": "token", "metric": "decode_tok_s", "unit": "tok/s", "median": 24.1,
      "values": [...], "reps": 3, "tokens": 256}
 
-Metrics: load_s, compile_s, warmup_s, ttft_s (time to first token after a 128-token prompt,
-seconds), prefill_N_tok_s, decode_tok_s, decode_gb_s (weights streamed per second at that
+Metrics: load_s, compile_s, warmup_s, ttft_s (time to first token after the first
+--prefill_lengths prompt, seconds), prefill_N_tok_s, decode_tok_s, decode_gb_s (weights streamed per second at that
 rate, 10^9 bytes/s), weights_mb_per_token (10^6 bytes), peak_rss_mb (10^6 bytes); with --vs,
 vs_decode_tok_s and decode_ratio_vs. A metric that cannot be measured (a prompt longer than
 the context) has "median": null and "skipped"; a failed run gives a "metric": "error" line
@@ -34,7 +34,9 @@ it was). Exit status 1 too when any run failed (after every line, with a count o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import json
 import math
 import os
@@ -53,6 +55,7 @@ import vs as vs_mod
 import worker as worker_mod
 from cli import (
     BenchError,
+    Parser,
     guarded,
     positive_int,
     positive_ints,
@@ -75,21 +78,13 @@ def _csv(text: str) -> list[str]:
     return [w.strip() for w in text.split(",") if w.strip()]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose own errors (an unknown flag, --reps=abc) are one line, exit 1, like the
-    checks after parsing."""
-
-    def error(self, message: str):
-        raise BenchError(message)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, every one checked (`check_args`) before any work.
 
     Raises:
       BenchError: a bad flag; the message names it and what is wrong.
     """
-    p = _Parser(
+    p = Parser(
         description="jllama speed benchmark (JSON lines on stdout)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -168,13 +163,18 @@ def check_args(args: argparse.Namespace) -> None:
                          "this process may use")
     positive_seconds("--timeout_s", args.timeout_s)
     _check_cache("--cache", Path(args.cache))
-    for template in args.vs:
-        try:
+    try:
+        for template in args.vs:
             vs_mod.check(template)
-        except ValueError as e:
-            raise BenchError(str(e)) from None
+        vs_mod.check_unique(args.vs)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     if args.out:
-        writable_file("--out", args.out)
+        out = writable_file("--out", args.out)
+        with contextlib.suppress(OSError):  # stdout may be closed, or not a file
+            if out.exists() and os.path.samefile(out, f"/proc/self/fd/{sys.stdout.fileno()}"):
+                raise BenchError(f"--out={args.out}: is where stdout goes already (every "
+                                 "line would be there twice)")
 
 
 def _check_cache(flag: str, path: Path) -> None:
@@ -215,6 +215,16 @@ class Emitter:
         """Appends every line to `path` in one step: a copy of the file with the lines added
         replaces it, so the file is its old self or has the whole run, never part of one."""
         target = Path(os.path.realpath(path))
+        # two runs ending together must not both read the old file and each rename their
+        # copy over it (one run's lines would be lost): one saves at a time per folder
+        folder = os.open(target.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            self._append(target)
+        finally:
+            os.close(folder)  # releases the lock
+
+    def _append(self, target: Path) -> None:
         old = target.read_bytes() if target.exists() else b""
         if old and not old.endswith(b"\n"):
             old += b"\n"

@@ -15,6 +15,8 @@ import dataclasses
 import struct
 from pathlib import Path
 
+from cli import write_whole  # bench/ is not a package: by file name
+
 from jllama.config import ModelConfig
 
 
@@ -142,7 +144,5 @@ def placeholder_tokenizer(vocab_size: int, cache: Path) -> Path:
     if path.is_file() and path.read_bytes() == bytes(body):
         return path
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(bytes(body))
-    tmp.replace(path)
+    write_whole(path, lambda tmp: tmp.write_bytes(bytes(body)))  # a temporary of its own
     return path

@@ -22,7 +22,6 @@ written whole (a temporary file renamed onto the path) or not at all.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -35,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # bench/ is not a package: its modules are imported by file name
-from cli import BenchError, guarded, writable_file, write_whole
+from cli import BenchError, Parser, guarded, writable_file, write_whole
 from vs import labels
 
 NOT_MEASURED = ("meta", "error")
@@ -98,11 +97,12 @@ def problem(record: dict) -> str | None:
     if "median" not in record:
         return f"{metric}: no median"
     median = record["median"]
-    if median is not None and not _finite(median):
-        return f"{metric}: median {_short(median)} is not a finite number or null"
+    # every metric run.py writes is a rate, a ratio, a time or a size: none is negative
+    if median is not None and not (_finite(median) and median >= 0):
+        return f"{metric}: median {_short(median)} is not a finite number >= 0 or null"
     values = record.get("values", [])
-    if not isinstance(values, list) or not all(_finite(v) for v in values):
-        return f"{metric}: values {_short(values)} is not a list of finite numbers"
+    if not isinstance(values, list) or not all(_finite(v) and v >= 0 for v in values):
+        return f"{metric}: values {_short(values)} is not a list of finite numbers >= 0"
     return None
 
 
@@ -121,6 +121,9 @@ def read_text(path: str) -> str:
             raise BenchError(f"{path}: is a directory")
         if not p.exists():
             raise BenchError(f"{path}: does not exist")
+        if p.is_char_device() or p.is_block_device() or p.is_socket():
+            # /dev/zero would be read forever; a pipe (<(...)) is fine
+            raise BenchError(f"{path}: is a device or socket, not a file of JSON lines")
         try:
             data = p.read_bytes()
         except OSError as e:
@@ -384,18 +387,20 @@ def plot(records: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="markdown table (and PNG plot) of bench JSON lines")
+    p = Parser(description="markdown table (and PNG plot) of bench JSON lines")
     p.add_argument("inputs", nargs="*", help='JSON-lines files; "-" or none: stdin')
     p.add_argument("--plot", default="",
                    help="also write a PNG bar plot to this file (a name ending in .png)")
     p.add_argument("--ranges", action="store_true", help="show min-max for every column")
-    p.add_argument("--summary", default="", metavar="METRIC",
+    p.add_argument("--summary", default=None, metavar="METRIC",
                    help="instead: one row per shape, a column per backend and dtype, of this "
                         "metric's medians (e.g. decode_tok_s, which adds a column per --vs "
                         "program, or prefill_512_tok_s); decode_ratio_vs: a column per "
                         "backend, dtype and --vs program of the median ratio jllama / other; "
                         "vs_decode_tok_s: a column per --vs program of its decode tok/s")
     args = p.parse_args(argv)
+    if args.summary is not None and not args.summary.strip():
+        raise BenchError("--summary: give a metric, e.g. --summary=decode_tok_s")
     plot_to = plot_path(args.plot) if args.plot else None
     records = read_records(args.inputs)
     for r in records:
@@ -407,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     if not valid(records):
         sources = ", ".join("stdin" if i == "-" else i for i in args.inputs or ["-"])
         raise BenchError(f"no benchmark records in {sources} (want bench/run.py's JSON lines)")
-    text = summary(records, args.summary) if args.summary else markdown(records, args.ranges)
+    text = (summary(records, args.summary) if args.summary is not None
+            else markdown(records, args.ranges))
     if plot_to:
         plot(records, str(plot_to))  # before the table: a failed plot prints no table
     print(text)

@@ -194,6 +194,7 @@ def test_run_other_says_what_happened(tmp_path):
     ok = script(tmp_path, "ok", "print('achieved tok/s: 12.5')\n")
     assert vs.run_other([str(ok)], 5) | {"wall_s": 0} == {
         "tok_s": 12.5, "wall_s": 0, "returncode": 0, "tail": "achieved tok/s: 12.5\n",
+        "text": "achieved tok/s: 12.5\n",
         "error": None}
 
 
@@ -220,7 +221,9 @@ def _wait_for_line(stream, seconds: float) -> str:
     return stream.readline()
 
 
-def test_ctrl_c_is_one_line_exit_130_and_leaves_out_alone(tmp_path):
+@pytest.mark.parametrize("sig, status, word", [(signal.SIGINT, 130, "interrupted"),
+                                               (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_or_sigterm_is_one_line_and_leaves_out_alone(tmp_path, sig, status, word):
     pid_file = tmp_path / "pid"
     sleeper = script(tmp_path, "sleeper", "import os, sys, time\n"
                      f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
@@ -239,15 +242,15 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_out_alone(tmp_path):
             time.sleep(0.1)
         assert pid_file.exists()
         time.sleep(1)
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, sig)  # the main process only: it must stop its children itself
         _, stderr = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130
+    assert proc.returncode == status
     assert "Traceback" not in stderr
-    assert stderr.splitlines()[-1] == "run.py: interrupted"
+    assert stderr.splitlines()[-1] == f"run.py: {word}"
     assert out.read_text() == OLD
     # the --vs program was killed: gone, or a zombie its new parent has yet to reap
     pid = int(pid_file.read_text())
@@ -263,3 +266,66 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+def test_out_that_is_not_a_regular_file_is_refused_before_any_work(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(fifo)
+    for out in (fifo, link):
+        done = run_py(*base(tmp_path), f"--out={out}")
+        assert done.returncode == 1 and done.stdout == "" and "Traceback" not in done.stderr
+        assert done.stderr.splitlines() == [
+            f"run.py: --out={out}: is not a regular file (a device, pipe or socket)"]
+    assert fifo.is_fifo() and link.is_symlink()
+
+
+def test_out_through_a_symlink_appends_to_its_target(tmp_path):
+    real = tmp_path / "real.jsonl"
+    real.write_text(OLD)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    done = run_py(*base(tmp_path), f"--out={link}")
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and real.read_text() == OLD + done.stdout
+
+
+def test_out_that_is_stdout_already_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(OLD)
+    with open(out, "a") as stdout:
+        done = subprocess.run([sys.executable, str(HERE / "run.py"), *base(tmp_path),
+                               f"--out={out}"], cwd=REPO, stdout=stdout, stderr=subprocess.PIPE,
+                              text=True, timeout=60, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"run.py: --out={out}: is where stdout goes already (every line would be there twice)"]
+    assert out.read_text() == OLD
+
+
+def test_runs_saving_to_one_out_at_once_keep_every_line(tmp_path):
+    """Four processes append 10 lines each to one file at the same moment: all 40 arrive."""
+    out = tmp_path / "out.jsonl"
+    out.write_text(OLD)
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import run\n"
+            "e = run.Emitter(); e.lines = [f'{{\"n\": {i}, \"p\": {sys.argv[3]}}}' "
+            "for i in range(10)]\n"
+            "time.sleep(float(sys.argv[4]) - time.time()); e.save(sys.argv[2])\n")
+    start = time.time() + 2
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(HERE), str(out), str(p),
+                               str(start)], cwd=REPO) for p in range(4)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
+    lines = out.read_text().splitlines()
+    assert lines[0] == OLD.strip() and len(lines) == 41
+    assert sorted(json.loads(l)["p"] for l in lines[1:]) == sorted(list(range(4)) * 10)
+
+
+def test_the_same_vs_twice_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(OLD)
+    done = run_py(*base(tmp_path), "--vs=true {checkpoint}", "--vs=true {checkpoint}",
+                  f"--out={out}")
+    assert done.returncode == 1 and done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == ["run.py: --vs given twice: 'true {checkpoint}'"]
+    assert out.read_text() == OLD

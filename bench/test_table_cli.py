@@ -7,6 +7,7 @@ exit, no traceback, no half-written plot; and its tables of --vs results, worked
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,8 @@ MALFORMED = [  # (a JSON line, what its stderr line says)
     ('{"shape": "s", "metric": "decode_tok_s", "median": 1}', "backend missing"),
     ("{" + ROW + '"metric": "decode_tok_s", "median": 1, "values": [1, "x"]}', "values"),
     ("{" + ROW + '"metric": "decode_tok_s", "median": true}', "median True"),
+    ("{" + ROW + '"metric": "decode_tok_s", "median": -5}', "median -5"),
+    ("{" + ROW + '"metric": "decode_tok_s", "median": 5, "values": [5, -1]}', "values"),
     ('{"metric": "vs_decode_tok_s", "command": "run", "median": 1}', "shape missing"),
     ('{"shape": "s", "metric": "vs_decode_tok_s", "command": "run \'a", "median": 1}',
      "command"),
@@ -293,5 +296,31 @@ def test_read_records_counts_what_it_skips(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"table.py: skipped 2 lines that are not benchmark records (first: {path}:1)",
         (f"table.py: skipped 2 malformed records; first: {path}:2: decode_tok_s: median 'fast' "
-         "is not a finite number or null"),
+         "is not a finite number >= 0 or null"),
     ]
+
+
+def test_a_device_is_refused_not_read_forever():
+    one_error(run_table("/dev/zero"), "/dev/zero: is a device or socket")
+
+
+def test_an_empty_summary_and_an_unknown_flag_are_one_line(tmp_path):
+    path = write_lines(tmp_path / "r.jsonl", [GOOD])
+    assert one_error(run_table(path, "--summary=")) == (
+        "table.py: --summary: give a metric, e.g. --summary=decode_tok_s")
+    one_error(run_table(path, "--bogus"), "unrecognized arguments: --bogus")
+
+
+def test_a_plot_onto_a_symlink_replaces_its_target_and_a_pipe_is_refused(tmp_path):
+    path = write_lines(tmp_path / "r.jsonl", [GOOD])
+    real = tmp_path / "real.png"
+    real.write_text("old")
+    link = tmp_path / "link.png"
+    link.symlink_to(real)
+    done = run_table(path, f"--plot={link}")
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and real.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fifo = tmp_path / "f.png"
+    os.mkfifo(fifo)
+    one_error(run_table(path, f"--plot={fifo}"), "is not a regular file")
+    assert fifo.is_fifo()

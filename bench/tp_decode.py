@@ -23,12 +23,12 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import shapes as shapes_mod  # noqa: E402
+import jax
+import numpy as np
+import shapes as shapes_mod
 
-from jllama.backends import make_backend  # noqa: E402
-from jllama.loading import open_model  # noqa: E402
+from jllama.backends import make_backend
+from jllama.loading import open_model
 
 
 def main() -> int:
