@@ -49,6 +49,7 @@ from cli import (
     positive_int,
     positive_seconds,
     rate,
+    writable_folder,
 )
 
 SOURCE = HERE / "stream_read.cc"
@@ -171,15 +172,6 @@ def shape_list(text: str) -> list:
     return out
 
 
-def check_cache(cache: Path) -> Path:
-    """`--cache`: a folder, or a path where one can be made; BenchError otherwise."""
-    if cache.exists() and not cache.is_dir():
-        raise BenchError(f"--cache={cache}: is not a folder")
-    if cache.is_dir() and not os.access(cache, os.W_OK | os.X_OK):
-        raise BenchError(f"--cache={cache}: the folder is not writable")
-    return cache
-
-
 def _read_bandwidth(binary: Path, nbytes: int) -> dict:
     done = subprocess.run([str(binary), str(nbytes), "9"], stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, errors="replace", check=False)
@@ -210,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     positive_int("--reps", args.reps)
     positive_seconds("--timeout_s", args.timeout_s)
     check_vs(args.vs, checkpoint="CHECKPOINT", tokenizer="TOKENIZER")
-    check_cache(args.cache)
+    writable_folder("--cache", args.cache)
     binary = build(args.cache)
     other_label = vs_mod.label(args.vs)
     for shape in shapes:

@@ -130,6 +130,25 @@ def writable_file(flag: str, path: str) -> Path:
     return p
 
 
+def writable_folder(flag: str, path: Path) -> Path:
+    """`path` if it is a folder that exists, or can be made, and can be written to (the
+    --cache of run.py and ceiling.py); BenchError naming the flag otherwise."""
+    if path.exists():
+        if not path.is_dir():
+            raise BenchError(f"{flag}={path}: is a file, not a folder")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise BenchError(f"{flag}={path}: the folder is not writable")
+        return path
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise BenchError(f"{flag}={path}: cannot be made, {above} is a file")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise BenchError(f"{flag}={path}: cannot be made, {above} is not writable")
+    return path
+
+
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
     """Calls write(tmp) for a temporary file beside path, then renames it onto path, so path
     is either its old self or complete, never half-written. The file gets the replaced file's

@@ -62,6 +62,7 @@ from cli import (
     positive_seconds,
     rate,
     writable_file,
+    writable_folder,
     write_whole,
 )
 
@@ -162,7 +163,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchError(f"--threads={args.threads}: must be 0 (all) up to the {cpus} CPUs "
                          "this process may use")
     positive_seconds("--timeout_s", args.timeout_s)
-    _check_cache("--cache", Path(args.cache))
+    writable_folder("--cache", Path(args.cache))
     try:
         for template in args.vs:
             vs_mod.check(template)
@@ -175,23 +176,6 @@ def check_args(args: argparse.Namespace) -> None:
             if out.exists() and os.path.samefile(out, f"/proc/self/fd/{sys.stdout.fileno()}"):
                 raise BenchError(f"--out={args.out}: is where stdout goes already (every "
                                  "line would be there twice)")
-
-
-def _check_cache(flag: str, path: Path) -> None:
-    """A folder that exists, or can be made, and can be written to."""
-    if path.exists():
-        if not path.is_dir():
-            raise BenchError(f"{flag}={path}: is a file, not a folder")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise BenchError(f"{flag}={path}: the folder is not writable")
-        return
-    above = path.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if not above.is_dir():
-        raise BenchError(f"{flag}={path}: cannot be made, {above} is a file")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise BenchError(f"{flag}={path}: cannot be made, {above} is not writable")
 
 
 class Emitter:

@@ -21,7 +21,6 @@ with one `-t` and one `-n` value: a table with several tgN rows is refused, not 
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shlex
@@ -33,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli import last_line  # bench/ is not a package: by file name
+from cli import last_line, rate  # bench/ is not a package: by file name
 
 _RUNC = re.compile(r"achieved tok/s:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*$", re.MULTILINE)
 _JLLAMA = re.compile(r"achieved tok/s:.*\bdecode\s+([0-9]+(?:\.[0-9]*)?)")
@@ -350,7 +349,7 @@ def run_other(argv: list[str], timeout_s: float) -> dict:
         out["error"] = f"printed {rows} tg rows (one -n and one -t, please)"
     elif found is None:
         out["error"] = f"printed no tok/s rate: {why}"
-    elif not (math.isfinite(found) and found > 0):
+    elif rate(found) is None:
         out["error"] = f"printed no usable tok/s rate: {found} is not a finite number > 0"
     else:
         out["tok_s"] = found
