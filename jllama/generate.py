@@ -60,6 +60,13 @@ class GenerationStats:
         seconds.
       decode_steps: tokens sampled after the first one (a stop token included): the forward
         passes that `decode_seconds` covers.
+      first_token_seconds: from the generation's `started_at` (default: its own start, then
+        equal to prefill_seconds; the CLI passes the process's start) to the first sampled
+        token, seconds; 0 until one is sampled.
+      startup_seconds, load_seconds, compile_seconds: what the caller spent before the
+        generation, filled in by it (0 otherwise): starting the process (interpreter, imports,
+        flags), reading and placing the model, and compiling (or loading from the compile
+        cache) the programs, seconds. The CLI's are parts of first_token_seconds.
     """
 
     prompt_tokens: int = 0
@@ -67,6 +74,10 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    first_token_seconds: float = 0.0
+    startup_seconds: float = 0.0
+    load_seconds: float = 0.0
+    compile_seconds: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -104,6 +115,8 @@ class Generation:
         token (a backend's batched prefill); when given, a prompt of 2 or more tokens that fits
         in `steps` goes through it in one call instead of `forward` token by token.
       clock: seconds as a float (injectable for tests).
+      started_at: a `clock` reading from which `stats.first_token_seconds` counts (e.g. the
+        process's start, `jllama.runtime.process_start`); None: the generation's start.
       context_ids: the tokens before prompt_ids (at positions 0 .. start_pos-1), for a sampler
         that reads the history (below); the model is not fed them.
       decode_loop: optional `decode_loop(token, pos, n) -> (ids, finite)`: feeds `token` at
@@ -134,6 +147,7 @@ class Generation:
         prefill: Callable[[Sequence[int], int], np.ndarray] | None = None,
         decode_loop: Callable[[int, int, int], tuple[list[int], bool]] | None = None,
         context_ids: Sequence[int] = (),
+        started_at: float | None = None,
     ):
         self.prompt_ids = [operator.index(t) for t in prompt_ids]
         self._history = (
@@ -156,6 +170,7 @@ class Generation:
         """Positions whose keys and values are in the KV cache once iteration stops: the
         tokens (prompt_ids + generated_ids)[: end_pos - start_pos] went through the model."""
         self.stats = GenerationStats(prompt_tokens=min(len(self.prompt_ids), steps))
+        self._started_at = started_at
         self._tokens = self._run(forward, sample, steps, frozenset(stop_ids), clock)
 
     def __iter__(self) -> Iterator[Token]:
@@ -168,6 +183,7 @@ class Generation:
         prompt = self.prompt_ids
         stats = self.stats
         start = clock()
+        started_at = start if self._started_at is None else self._started_at
         first_sampled_at = None
         token = prompt[0]
         first = 0
@@ -203,6 +219,7 @@ class Generation:
                 if first_sampled_at is None:
                     first_sampled_at = now
                     stats.prefill_seconds = now - start
+                    stats.first_token_seconds = now - started_at
                 else:
                     stats.decode_seconds = now - first_sampled_at
                     stats.decode_steps += 1

@@ -1,4 +1,4 @@
-"""Process-level settings and resources: CPU cores for XLA, memory.
+"""Process-level settings and resources: CPU cores for XLA, memory, the process's age.
 
 XLA's CPU client sizes its thread pools from the cores the process may run on when it starts,
 and this version has no flag for it; pinning the process (Linux `sched_setaffinity`) before JAX
@@ -8,6 +8,7 @@ creates its CPU backend is the dependable way to give it N threads.
 from __future__ import annotations
 
 import os
+import time
 
 from jllama.config import ModelConfig
 from jllama.errors import ResourceError
@@ -35,6 +36,24 @@ def limit_cpu_threads(n: int) -> None:
         raise ValueError(f"threads={n} is out of range (1..{len(cpus)})")
     if cpus:
         os.sched_setaffinity(0, cpus[:n])
+
+
+_IMPORTED_AT = time.perf_counter()
+
+
+def process_start() -> float:
+    """When this process started, as a `time.perf_counter()` reading (seconds): the kernel's
+    start time of the process (Linux `/proc/self/stat`, in clock ticks of 10 ms), so the
+    interpreter's start and every import count; where that cannot be read, when this module
+    was first imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (starttime); the command name before it, in parentheses, may hold spaces.
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED_AT
+    return time.perf_counter() - age if age >= 0 else _IMPORTED_AT
 
 
 def available_memory_bytes() -> int | None:

@@ -62,6 +62,28 @@ def test_timing_splits_prefill_and_decode():
     assert g.stats.prefill_seconds == 1.0 and g.stats.prefill_tok_s == 2.0
     assert g.stats.decode_seconds == 1.5 and g.stats.decode_steps == 3
     assert g.stats.decode_tok_s == pytest.approx(2.0)
+    # Without started_at the wait for the first token is the prefill's.
+    assert g.stats.first_token_seconds == 1.0
+    assert g.stats.load_seconds == g.stats.compile_seconds == g.stats.startup_seconds == 0.0
+
+
+def test_first_token_counts_from_started_at():
+    # The process started at 3.0 (clock), the generation at 10.0, the first token at 11.5.
+    ticks = iter([10.0, 11.5, 12.0, 12.5])
+    g = Generation(
+        Script().forward, [1, 4], sampler_from([5, 6, 7]), steps=4, clock=lambda: next(ticks),
+        started_at=3.0,
+    )
+    list(g)
+    assert g.stats.first_token_seconds == 8.5 and g.stats.prefill_seconds == 1.5
+
+
+def test_no_first_token_when_the_prompt_fills_every_step():
+    ticks = iter([0.0, 2.0])
+    g = Generation(Script().forward, [1, 4, 5], sampler_from([]), steps=2,
+                   clock=lambda: next(ticks), started_at=-1.0)
+    list(g)
+    assert g.stats.prefill_seconds == 2.0 and g.stats.first_token_seconds == 0.0
 
 
 @pytest.mark.parametrize("steps, expected", [(0, 512), (-3, 512), (600, 512), (1, 1), (512, 512)])
