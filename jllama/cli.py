@@ -10,12 +10,14 @@ import functools
 import json
 import math
 import os
+import re
 import sys
+import time
 from pathlib import Path
 
 from absl import app, flags, logging
 
-from jllama import runtime
+from jllama import compile_cache, runtime
 from jllama.backends import backend_names, make_backend
 from jllama.chat import ChatTemplate
 from jllama.conversation import ContextFullError, Conversation
@@ -25,7 +27,7 @@ from jllama.files import require_regular_file
 from jllama.generate import Generation, GenerationStats, resolve_steps
 from jllama.loading import open_model, required_memory
 from jllama.sampling import FILTERS, Sampler, restrict_to_vocabulary
-from jllama.weights import tensor_stats
+from jllama.weights import tensor_stats, weights_dtype
 
 FLAGS = flags.FLAGS
 _F32_MAX = 3.4028234663852886e38
@@ -147,6 +149,13 @@ flags.DEFINE_enum(
     "How the prompt goes through the model: chunked = batched chunks of tokens through each "
     "layer (jax backend); token = one position at a time, as run.c.",
 )
+flags.DEFINE_bool(
+    "compile_cache",
+    True,
+    "jax backend: keep XLA's compiled programs in $JLLAMA_HOME/xla-cache and load them in "
+    "later runs instead of compiling again; --nocompile_cache compiles everything and stores "
+    "nothing.",
+)
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on.")
 flags.DEFINE_integer(
     "port", 8080, "serve: the TCP port to listen on (0 = any free one, printed).",
@@ -228,7 +237,16 @@ flags.DEFINE_enum(
     "text",
     ["text", "json"],
     "text: stream the story as run.c prints it; json: one object with the ids, the text and "
-    "the rates.",
+    "the rates (perplexity: the PPL, its error and the rates).",
+)
+flags.DEFINE_string("file", None, "perplexity: the UTF-8 text file to score.")
+flags.DEFINE_integer(
+    "ctx", 512, "perplexity: tokens a chunk (llama-perplexity's -c); the second half of each "
+    "is scored.",
+)
+flags.DEFINE_integer(
+    "chunks", -1, "perplexity: the most chunks to evaluate (llama-perplexity's --chunks); "
+    "-1 = all.",
 )
 
 flags.register_validator(
@@ -289,11 +307,14 @@ def main(argv: list[str]) -> int:
     if command == "serve":
         _no_arguments("serve", args)
         return _serve()
+    if command == "perplexity":
+        _no_arguments("perplexity", args)
+        return _perplexity()
     if command is not None:
         # `chat` reads like a command next to `serve`, but it is a mode of the main job.
         hint = f"; for {command}, pass --mode={command}" if command in ("chat", "generate") else ""
         raise JllamaError(
-            f"unexpected argument {command!r} (commands: fetch, tokenize, convert, serve; flags take the form "
+            f"unexpected argument {command!r} (commands: fetch, tokenize, convert, serve, perplexity; flags take the form "
             f"--name=value{hint})"
         )
     if FLAGS.threads:
@@ -302,11 +323,13 @@ def main(argv: list[str]) -> int:
     speak = not several or _is_main_process()
     if several:
         _keep_stdout_for_text(speak)
+    load_began = time.perf_counter()
     model = open_model(
         FLAGS.checkpoint, FLAGS.tokenizer, seq_len=FLAGS.seq_len or None,
         need_tokenizer=not FLAGS.verify_checkpoint,
         dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype,
     )
+    read_seconds = time.perf_counter() - load_began
     config, tokenizer = model.config, model.tokenizer
     if FLAGS.verify_checkpoint:
         return _verify(model.weights)
@@ -365,7 +388,11 @@ def main(argv: list[str]) -> int:
     if speak:
         print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
     decode = _decode_mode(tokenizer, config)
+    programs = _compile_cache(speak)
+    placing = time.perf_counter()
     backend = _make_backend(config, model.weights, n_devices, decode, speak)
+    # prepare's time, less its warm-up (the compile), is placing the weights on the device.
+    place_seconds = time.perf_counter() - placing - getattr(backend, "compile_seconds", 0.0)
     decode_loop = _loop_of(decode, backend, sampler, tokenizer, config)
     if FLAGS.mode == "chat":
         return _chat(model, backend, sampler, decode_loop)
@@ -384,8 +411,12 @@ def main(argv: list[str]) -> int:
                             chunked=_prefill_of(backend) is not None)
     generation = Generation(
         backend.forward, prompt_ids, sampler, steps, stop_ids=tuple(tokenizer.stop_ids),
-        prefill=_prefill_of(backend), decode_loop=decode_loop,
+        prefill=_prefill_of(backend), decode_loop=decode_loop, started_at=runtime.process_start(),
     )
+    stats = generation.stats
+    stats.startup_seconds = load_began - runtime.process_start()
+    stats.load_seconds = read_seconds + place_seconds
+    stats.compile_seconds = getattr(backend, "compile_seconds", 0.0)
 
     if FLAGS.output_format == "json":
         for _ in generation:
@@ -408,6 +439,11 @@ def main(argv: list[str]) -> int:
             "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds,
             "compile_seconds": getattr(backend, "compile_seconds", 0.0),
+            "startup_seconds": stats.startup_seconds,
+            "load_seconds": stats.load_seconds,
+            "first_token_seconds": stats.first_token_seconds,
+            "programs_compiled": programs.counts.compiled,
+            "programs_from_cache": programs.counts.from_cache,
         }
         print(json.dumps(result), flush=True)
         return 0
@@ -431,8 +467,27 @@ def main(argv: list[str]) -> int:
     out.write(decoder.flush() + "\n")
     out.flush()
     if speak:
-        print(_rates(generation.stats), file=sys.stderr)
+        print(_rates(generation.stats) + _startup(generation.stats, programs), file=sys.stderr)
     return 0
+
+
+def _startup(stats: GenerationStats, programs: compile_cache.CompileCache) -> str:
+    """The stats line's second half: what the wait for the first token was made of."""
+    counts = programs.counts
+    cached = f", {counts.from_cache} from the cache" if programs.folder is not None else ""
+    return (
+        f"; first token {stats.first_token_seconds:.2f} s after the process started: "
+        f"startup {stats.startup_seconds:.2f} s, load {stats.load_seconds:.2f} s, "
+        f"compile {stats.compile_seconds:.2f} s ({counts.requested} programs{cached}), "
+        f"prefill {stats.prefill_seconds:.2f} s"
+    )
+
+
+def _compile_cache(speak: bool = True) -> compile_cache.CompileCache:
+    """The persistent compile cache (--compile_cache) for the jax backend, set up before any
+    program compiles; its counts are kept either way."""
+    use = FLAGS.compile_cache and FLAGS.backend == "jax"
+    return compile_cache.setup(enabled=use, warn=None if speak else (lambda line: None))
 
 
 def _start_processes() -> bool:
@@ -815,6 +870,67 @@ def _serve() -> int:
     return 0
 
 
+def _perplexity() -> int:
+    """`jllama perplexity`: the PPL of --file in chunks of --ctx tokens (`jllama.perplexity`)."""
+    from jllama import perplexity as ppl
+
+    def flagged(e: JllamaError) -> JllamaError:  # the library's ctx= and chunks= are flags here
+        return type(e)(re.sub(r"(?<![-\w])(ctx|chunks)=", r"--\1=", str(e)))
+
+    if FLAGS.threads:
+        runtime.limit_cpu_threads(FLAGS.threads)
+    if FLAGS.num_processes > 1 or FLAGS.coordinator:
+        raise JllamaError("perplexity runs in one process (--devices splits the model over its "
+                          "devices); --num_processes and --coordinator are for generation")
+    if not FLAGS.file:
+        raise JllamaError("perplexity needs --file=TEXT, a UTF-8 text file")
+    ctx, file_flag = FLAGS.ctx, f"--file={FLAGS.file}"
+    try:
+        ppl.check_chunks(FLAGS.chunks)
+        ppl.check_ctx(ctx)
+        text = ppl.read_text(FLAGS.file, what=file_flag)
+        model = open_model(FLAGS.checkpoint, FLAGS.tokenizer, seq_len=ctx,
+                           dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype)
+        ppl.check_ctx(ctx, model.context_length)
+        tokenizer = model.tokenizer
+        tokens = tokenizer.encode(text)
+        ppl.chunk_count(len(tokens), ctx, FLAGS.chunks, what=file_flag)
+    except ppl.PerplexityError as e:
+        raise flagged(e) from None
+    config = model.config
+    n_devices = _device_count(config, several=False)
+    print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
+    decode = "graph" if FLAGS.decode in ("auto", "loop") else FLAGS.decode
+    backend = _make_backend(config, model.weights, n_devices, decode)
+    chunked = FLAGS.prefill == "chunked" and hasattr(backend, "prefill_logits")
+    if hasattr(backend, "compile_for"):
+        backend.compile_for(ctx, ctx - 1, chunked=chunked)
+    result = ppl.perplexity(
+        backend.prefill_logits if chunked else ppl.forward_logits(backend.forward), tokens, ctx,
+        bos_id=tokenizer.bos_id if tokenizer.add_bos else None, chunks=FLAGS.chunks,
+        n_vocab=min(tokenizer.vocab_size, config.vocab_size), progress=True,
+    )
+    est = result.estimate
+    if FLAGS.output_format == "json":
+        print(json.dumps({
+            "ppl": est.ppl, "ppl_error": est.ppl_error if math.isfinite(est.ppl_error) else None,
+            "mean_nll": est.mean_nll, "chunks": result.chunks, "ctx": ctx,
+            "tokens": result.tokens, "tokens_scored": est.count, "seconds": result.seconds,
+            "tokens_per_second": result.tokens_per_second,
+            "compile_seconds": getattr(backend, "compile_seconds", 0.0),
+            "chunk_ppl": list(result.chunk_ppl), "model": _model_id(),
+            "checkpoint": model.source, "file": FLAGS.file, "dtype": weights_dtype(model.weights),
+            "backend": backend.name,
+        }), flush=True)
+        return 0
+    print(",".join(f"[{i + 1}]{p:.4f}" for i, p in enumerate(result.chunk_ppl)) + ",",
+          file=sys.stderr)
+    print(f"jllama: {result.chunks} chunks of {ctx} tokens, {est.count} scored, "
+          f"{result.seconds:.2f} s ({result.tokens_per_second:.1f} tok/s)", file=sys.stderr)
+    print(ppl.final_line(est), flush=True)
+    return 0
+
+
 def _fail(message: str, status: int = 1):
     # One line, whatever the message holds (a path with a newline, a multi-line library error).
     one_line = " ".join(str(message).split("\n"))
@@ -828,6 +944,8 @@ _USAGE = """usage: jllama [--flag=value ...]
        jllama tokenize --prompt=TEXT [--pieces] [--parse_special] [--checkpoint=...]
        jllama convert --checkpoint=SOURCE --output=FILE.bin [--llama2c_version=1|2|0]
        jllama serve [--checkpoint=...] [--host=127.0.0.1] [--port=8080]   OpenAI-compatible API
+       jllama perplexity --file=TEXT [--ctx=512] [--chunks=N] [--checkpoint=...]
+                                              PPL of a text, as llama.cpp's llama-perplexity
 
 Generates text with a Llama model from a llama2.c checkpoint or a GGUF file.
 With no flags it tells a story from the embedded stories260K model, as llama2.c's run does.

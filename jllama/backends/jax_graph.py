@@ -276,6 +276,44 @@ class JaxGraphBackend:
             )
         return logits
 
+    def prefill_logits(self, tokens, start_pos: int, first: int = 0) -> np.ndarray:
+        """Feed `tokens` at positions start_pos, start_pos+1, ... as `prefill` does and return
+        the logits after each of tokens[first:]: f32[len(tokens) - first, vocab_size], row i
+        the prediction that follows tokens[first + i] (what `forward` of that token returns,
+        up to float rounding).
+
+        Chunks run `prefill`'s programs and `jllama.graphs.classifier_rows` over their rows
+        (chunks wholly before `first` skip the classifier); the tokens left over go through
+        `forward`. A sequence started again at start_pos 0 sees only what it writes: attention
+        at position p reads cache positions <= p, all written by this call.
+
+        Raises:
+          ValueError: no tokens, first outside [0, len(tokens)), or positions beyond seq_len.
+        """
+        config = self.config
+        if config is None:
+            raise RuntimeError("JaxGraphBackend.prefill_logits called before prepare")
+        tokens = [int(t) for t in tokens]
+        if not 0 <= first < len(tokens):
+            raise ValueError(f"first={first} must index one of the {len(tokens)} tokens")
+        check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)
+        for t in tokens:
+            check_token_pos(config, t, start_pos)
+        rows = []
+        for pos, size in self._prefill_plan(start_pos, len(tokens)):
+            i = pos - start_pos  # index of the step's first token
+            if not size:
+                logits = self.forward(tokens[i], pos)
+                if i >= first:
+                    rows.append(logits[None])
+                continue
+            x = self._prefill_chunk(tokens[i:i + size], pos)
+            if i + size > first:
+                logits = self._programs.classifier_rows(config, x, self.rms_final_weight,
+                                                        self.wcls)
+                rows.append(np.asarray(logits)[max(first - i, 0):])
+        return np.concatenate(rows)
+
     def _prefill_plan(self, start_pos: int, n: int):
         """(pos, size) of each step of a prefill of n tokens from start_pos: a chunk of
         `size` tokens, or one token through `forward` when size is 0. A chunk never crosses a

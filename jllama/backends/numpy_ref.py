@@ -199,3 +199,18 @@ class NumpyBackend:
             raise RuntimeError("NumpyBackend.forward called before prepare")
         token, pos = check_token_pos(self.config, token, pos)
         return forward(self.config, self.weights, self.cache, self.inv_freq, token, pos)
+
+    def prefill_logits(self, tokens, start_pos: int, first: int = 0) -> np.ndarray:
+        """`forward` of each token at start_pos, start_pos+1, ... in turn; the logits after
+        each of tokens[first:], f32[len(tokens) - first, vocab_size] (as
+        `JaxGraphBackend.prefill_logits`).
+
+        Raises:
+          ValueError: no tokens, first outside [0, len(tokens)), or a token or position out
+            of range.
+        """
+        tokens = list(tokens)
+        if not 0 <= first < len(tokens):
+            raise ValueError(f"first={first} must index one of the {len(tokens)} tokens")
+        rows = [self.forward(t, start_pos + i) for i, t in enumerate(tokens)]
+        return np.stack(rows[first:])

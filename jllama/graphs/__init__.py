@@ -12,7 +12,8 @@ slice layer-stacked weights: XLA CPU would copy the slice before the dot.
   classifier final RMSNorm + wcls
 
 and for batched prefill (`prefill.py`), the same three layer programs over a chunk of tokens:
-`qkv_chunk`, `attention_chunk`, `block_chunk`, and `classifier_last` (the last token's logits).
+`qkv_chunk`, `attention_chunk`, `block_chunk`, and `classifier_last` (the last token's logits)
+or `classifier_rows` (every token's logits, for a perplexity).
 
 The other decode modes reuse those bodies: `fused.py` (`decode_step` + `write_caches`: one
 program for all layers per token) and `loop.py` (`decode_loop`: a chunk of tokens in one
@@ -34,6 +35,7 @@ from jllama.graphs.prefill import (
     attention_chunk,
     block_chunk,
     classifier_last,
+    classifier_rows,
     qkv_chunk,
 )
 from jllama.graphs.qkv import qkv
@@ -56,6 +58,7 @@ __all__ = [
     "block_chunk",
     "classifier",
     "classifier_last",
+    "classifier_rows",
     "decode_loop",
     "decode_step",
     "qkv",

@@ -211,3 +211,14 @@ def classifier_last(
     from jllama.graphs.classifier import classifier
 
     return classifier.__wrapped__(config, x[-1], rms_final_weight, wcls)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def classifier_rows(
+    config: ModelConfig, x: jax.Array, rms_final_weight: jax.Array, wcls
+) -> jax.Array:
+    """`jllama.graphs.classifier` of every token of the chunk: x: f32[T, dim] ->
+    logits f32[T, vocab_size] (a perplexity scores each position's prediction). wcls as
+    `_rows_matmul` takes it: one matrix-matrix product for the T rows."""
+    with jax.named_scope("classifier_rows"):
+        return _rows_matmul(_rmsnorm_rows(x, rms_final_weight, config.norm_eps), wcls)

@@ -80,6 +80,7 @@ def sharded_programs(mesh: Mesh, wait: bool | None = None) -> types.SimpleNamesp
         attention_chunk=jit(graphs.attention_chunk, token_heads, ("matvec",)),
         block_chunk=jit(graphs.block_chunk, rep),
         classifier_last=jit(graphs.classifier_last, rep),
+        classifier_rows=jit(graphs.classifier_rows, rep),
         decode_step=jit(graphs.decode_step, (rep, heads, heads), ("shards", "matvec")),
         write_caches=jit(graphs.write_caches, (heads, heads), (),
                          ("key_blocks", "value_blocks")),
