@@ -849,6 +849,7 @@ def _serve() -> int:
     print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
     # Requests are sampled on the host (every request brings its own sampler settings).
     decode = "graph" if FLAGS.decode in ("loop", "auto") else FLAGS.decode
+    _compile_cache()  # programs compiled per request are kept for the next server too
     backend = _make_backend(model.config, model.weights, n_devices, decode)
     engine = Engine(
         model, backend, use_prefill=FLAGS.prefill == "chunked", max_waiting=FLAGS.max_waiting
