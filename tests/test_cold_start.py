@@ -1,0 +1,136 @@
+"""A new process's way to its first token: the persistent compile cache (`jllama.compile_cache`)
+across processes, and the start-up times the CLI reports. Each run is a new `jllama` process
+with its own $JLLAMA_HOME; the tokens are checked against run.c's (tests/data)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import load_json
+from test_cli import REPO, jllama_command
+
+from jllama.compile_cache import cache_folder
+from jllama.fetch import jllama_home
+from jllama.kernels.library import compiler, library_path
+
+# run.c's top-p sample from a 12-token prompt: a prefill chunk, the decode programs and the
+# device loop's top-p program all run.
+CASE = next(
+    c for c in load_json("generate_stories260K.json")["cases"]
+    if c["prompt"] == "Lily and Tom went to the park" and c["seed"] == 42
+)
+ARGS = (
+    f"--prompt={CASE['prompt']}", f"--temperature={CASE['temperature']}",
+    f"--top_p={CASE['topp']}", f"--seed={CASE['seed']}", f"--steps={CASE['steps']}",
+    "--output_format=json",
+)
+
+
+@pytest.fixture
+def home(tmp_path):
+    """A fresh $JLLAMA_HOME whose kernels folder is this machine's (built once, not per test)."""
+    kernels = jllama_home() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(kernels)
+    return tmp_path
+
+
+def jllama(home: Path, *args: str) -> tuple[dict, list[str]]:
+    """Run jllama with ARGS in a new process; (its JSON output, its stderr lines)."""
+    env = {**os.environ, "JLLAMA_HOME": str(home)}
+    done = subprocess.run(jllama_command() + [*ARGS, *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["generated_ids"] == CASE["generated_ids"]
+    return out, done.stderr.splitlines()
+
+
+def entries(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.glob("*-cache")}
+
+
+def cache_lines(stderr: list[str]) -> list[str]:
+    return [line for line in stderr if "compile cache" in line]
+
+
+def test_a_second_process_compiles_nothing_and_a_damaged_cache_heals(home):
+    folder = cache_folder(home)
+    first, err = jllama(home)
+    written = entries(folder)
+    assert first["programs_compiled"] > 0 and first["programs_from_cache"] == 0
+    # Every program compiled left one entry in the folder named by the kernel library.
+    assert len(written) == first["programs_compiled"], sorted(written)
+    assert cache_lines(err) == []
+
+    second, err = jllama(home)
+    assert second["programs_compiled"] == 0
+    assert second["programs_from_cache"] == first["programs_compiled"]
+    assert entries(folder) == written  # nothing new was stored
+    assert cache_lines(err) == []
+
+    # Damage every entry: half of them cut short (a process killed while writing), the
+    # others overwritten with bytes that are no compressed program.
+    for i, (name, data) in enumerate(sorted(written.items())):
+        (folder / name).write_bytes(data[: len(data) // 2] if i % 2 else b"not a program" * 9)
+    third, err = jllama(home)
+    assert third["programs_compiled"] == len(written)
+    lines = cache_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("jllama: warning: compile cache "), err
+    assert "Traceback" not in "\n".join(err) and "UserWarning" not in "\n".join(err)
+
+    fourth, err = jllama(home)  # the third run replaced the damaged entries
+    assert fourth["programs_compiled"] == 0 and cache_lines(err) == []
+    assert set(entries(folder)) == set(written)
+
+
+def test_a_cache_that_cannot_be_written_is_skipped_with_one_line(home):
+    (home / "xla-cache").write_text("a file where the cache folder would be\n")
+    out, err = jllama(home)
+    lines = cache_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("jllama: warning: compile cache off: "), err
+    assert str(cache_folder(home)) in lines[0]
+    assert out["programs_compiled"] > 0 and out["programs_from_cache"] == 0
+
+
+def test_nocompile_cache_stores_nothing(home):
+    out, err = jllama(home, "--nocompile_cache")
+    assert not (home / "xla-cache").exists()
+    assert out["programs_compiled"] > 0 and out["programs_from_cache"] == 0
+    assert cache_lines(err) == []
+
+
+def test_startup_times_are_parts_of_the_wait_for_the_first_token(home):
+    out, err = jllama(home)
+    parts = ("startup_seconds", "load_seconds", "compile_seconds", "prefill_seconds")
+    assert all(out[name] >= 0 for name in parts)
+    # The four are consecutive, disjoint spans of one clock between the process's start and
+    # the first sampled token.
+    assert out["first_token_seconds"] >= sum(out[name] for name in parts)
+    assert out["compile_seconds"] > 0 and out["load_seconds"] > 0 and out["startup_seconds"] > 0
+    # The same figures on the text stats line (a text run of its own).
+    env = {**os.environ, "JLLAMA_HOME": str(home)}
+    text = subprocess.run(jllama_command() + [a for a in ARGS if "output_format" not in a],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    stats = next(line for line in text.stderr.splitlines() if line.startswith("achieved tok/s"))
+    for words in ("s after the process started: startup ", ", load ", ", compile ",
+                  " from the cache), prefill "):
+        assert words in stats, stats
+
+
+def test_the_cache_folder_changes_with_the_kernel_library(monkeypatch, tmp_path):
+    monkeypatch.delenv("CXX", raising=False)
+    plain = cache_folder(tmp_path)
+    assert plain.parent == tmp_path / "xla-cache"
+    if compiler() is None:
+        pytest.skip("no C++ compiler: no kernel library to name the folder by")
+    assert plain.name == library_path(compiler()).stem  # matvec-<hash of source, flags, CPU>
+    monkeypatch.setenv("CXX", "c++ -DJLLAMA_OTHER_BUILD")  # another build of the library
+    other = cache_folder(tmp_path)
+    assert other != plain and other.name == library_path(compiler()).stem
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cache_folder(tmp_path).name.startswith("xla-")
