@@ -875,8 +875,8 @@ def _perplexity() -> int:
     """`jllama perplexity`: the PPL of --file in chunks of --ctx tokens (`jllama.perplexity`)."""
     from jllama import perplexity as ppl
 
-    def flagged(e: JllamaError) -> JllamaError:  # the library's ctx= and chunks= are flags here
-        return type(e)(re.sub(r"(?<![-\w])(ctx|chunks)=", r"--\1=", str(e)))
+    def flagged(e: JllamaError) -> JllamaError:  # the library's ctx and chunks= are flags here
+        return type(e)(re.sub(r"(?<![-\w])(ctx\b|chunks=)", r"--\1", str(e)))
 
     if FLAGS.threads:
         runtime.limit_cpu_threads(FLAGS.threads)
