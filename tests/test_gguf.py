@@ -211,12 +211,12 @@ def _bad_files(tmp_path, weights):
         "unsupported_type": (
             write_gguf(
                 tmp_path / "c.gguf", TINY, weights, drop_tensors=("blk.0.ffn_down.weight",),
-                # Q6_K: 256 elements in 210 bytes per block; rows of hidden_dim=256.
+                # IQ2_XXS: 256 elements in 66 bytes per block; rows of hidden_dim=256.
                 raw_tensors={
-                    "blk.0.ffn_down.weight": (np.zeros((TINY.dim, 210 * hidden // 256), np.uint8), Q.Q6_K)
+                    "blk.0.ffn_down.weight": (np.zeros((TINY.dim, 66 * hidden // 256), np.uint8), Q.IQ2_XXS)
                 },
             ),
-            "Q6_K",
+            "IQ2_XXS (type 16) is not supported",
         ),
         "missing_tensor": (
             write_gguf(tmp_path / "d.gguf", TINY, weights, drop_tensors=("blk.1.ffn_up.weight",)),
@@ -286,7 +286,9 @@ def test_bad_file_at_the_cli_exits_1_with_one_line(bad_files, case):
 def test_unsupported_type_names_tensor_and_type(bad_files):
     with pytest.raises(CheckpointError) as info:
         read_gguf(bad_files["unsupported_type"][0])
-    assert "blk.0.ffn_down.weight" in str(info.value) and "Q6_K" in str(info.value)
+    assert str(info.value).startswith(
+        f"{bad_files['unsupported_type'][0]}: tensor 'blk.0.ffn_down.weight': IQ2_XXS (type 16) "
+        "is not supported; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, ")
 
 
 def test_linear_rope_scaling_is_read(tmp_path, tiny_weights):

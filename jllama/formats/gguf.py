@@ -268,8 +268,9 @@ def read_gguf(
         `ggml_quants.int8_groups`) instead of dequantizing it (`--dtype=int8`).
 
     Returns:
-      a `GGUFModel`. Quantized tensors (Q4_0, Q4_1, Q8_0) and F16/BF16 are dequantized to
-      float32 block by block, exactly as ggml's reference dequantizers.
+      a `GGUFModel`. Quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
+      Q6_K) and F16/BF16 are dequantized to float32 block by block, exactly as ggml's
+      reference dequantizers; other types (IQ*, TQ*, MXFP4 ...) are refused.
 
     Raises:
       CheckpointError: missing/unreadable/truncated file, not GGUF, another architecture, a
