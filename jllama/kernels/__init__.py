@@ -37,6 +37,7 @@ from jllama.kernels.library import (
     build,
     check_library,
 )
+from jllama.ggml_matrix import GGMLMatrix, RowStack
 from jllama.quant import Int8Matrix
 
 MATVEC_MODES = ("xla", "kernel")
@@ -58,13 +59,17 @@ ROPE_WRITE = SYMBOLS[7]
 into the layer's cache block."""
 ATTENTION_CHUNK = SYMBOLS[8]
 """The handler for a prefill chunk's causal attention over float32 cache blocks."""
+MATVEC_GGML, DEQUANTIZE_GGML, ROWS_GGML = SYMBOLS[9:12]
+"""The handlers for GGML blocks (`jllama.ggml_matrix`): a product with stacked parts of any
+types, the parts dequantized to float32, and rows of a table dequantized."""
 
 PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
 """The matvec handlers' `prologue` attribute (`matvec.cc`): x as given, RMSNorm(x) * norm,
 silu(x) * gate."""
 
 __all__ = ["MATVEC_MODES", "KernelBuildError", "argmax", "attention", "attention_chunk",
-           "attention_chunk_fits", "load", "matvec", "rope_write", "sample", "vector_width"]
+           "attention_chunk_fits", "dequantize", "embedding_rows", "load", "matvec", "rope_write",
+           "sample", "vector_width"]
 
 
 @functools.cache
@@ -101,9 +106,10 @@ def matvec(
     inside the same call (in XLA each was a few programs of ~1 us on a few hundred floats).
 
     Args:
-      w: f32[m, n], bf16[m, n] (widened exactly) or an `Int8Matrix` (q int8[m, n], scale
+      w: f32[m, n], bf16[m, n] (widened exactly), an `Int8Matrix` (q int8[m, n], scale
         f32[m]: `scale * (q @ x)`; or grouped, scale f32[m, n // g]: each group's sum times its
-        scale), rows as llama2.c's "out x in".
+        scale), or GGML blocks (`jllama.ggml_matrix.GGMLMatrix` / `RowStack`: the integer types
+        against x quantized to int8 per 32 as Q8_0, ggml_dot.h), rows as llama2.c's "out x in".
       x: f32[n].
       norm: f32[n] or None; given, f(x) = RMSNorm as llama2.c run.c, `norm * (x /
         sqrt(mean(x**2) + eps))` (`jllama.graphs.ops.rmsnorm`), the sum of squares in 16
@@ -141,6 +147,9 @@ def matvec(
     attrs = {"prologue": np.int32(prologue), "eps": np.float32(eps),
              "residual": np.int32(add is not None)}
     x = x.astype(jnp.float32)
+    if isinstance(w, (GGMLMatrix, RowStack)):
+        parts, types = _parts(w)
+        return jax.ffi.ffi_call(MATVEC_GGML, out)(x, *parts, *extra, types=types, **attrs)
     if isinstance(w, Int8Matrix) and w.grouped:
         return jax.ffi.ffi_call(GROUPED_INT8, out)(w.q, w.scale, x, *extra, **attrs)
     if isinstance(w, Int8Matrix):
@@ -149,6 +158,30 @@ def matvec(
     if name not in TARGETS or name == "int8":
         raise ValueError(f"matvec has no kernel for {name} weights")
     return jax.ffi.ffi_call(TARGETS[name], out)(w, x, *extra, **attrs)
+
+
+def _parts(w) -> tuple[list, np.ndarray]:
+    """The byte arrays of a GGMLMatrix or RowStack and their ggml type ids (int32[k])."""
+    parts = w.parts if isinstance(w, RowStack) else (w,)
+    return [p.data for p in parts], np.array([p.type_id for p in parts], np.int32)
+
+
+def dequantize(w) -> jax.Array:
+    """A GGMLMatrix or RowStack as f32[rows, cols], exactly ggml's values (`ggml::dequantize_row`,
+    split over XLA's threads), for tracing inside a jitted program (call `load()` first): the
+    prefill chunks multiply it with XLA's matrix product."""
+    parts, types = _parts(w)
+    out = jax.ShapeDtypeStruct(w.shape, jnp.float32)
+    return jax.ffi.ffi_call(DEQUANTIZE_GGML, out)(*parts, types=types)
+
+
+def embedding_rows(table: GGMLMatrix, tokens: jax.Array) -> jax.Array:
+    """Rows `tokens` (int32[k]) of a [vocab_size, dim] GGMLMatrix, dequantized: f32[k, dim].
+    For tracing inside a jitted program (call `load()` first). A token out of range is an error
+    from the kernel."""
+    out = jax.ShapeDtypeStruct((tokens.shape[0], table.cols), jnp.float32)
+    return jax.ffi.ffi_call(ROWS_GGML, out)(table.data, tokens.astype(jnp.int32),
+                                            type=np.int32(table.type_id))
 
 
 def attention(

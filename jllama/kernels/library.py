@@ -33,6 +33,12 @@ from jllama.errors import BackendError
 from jllama.fetch import jllama_home
 
 SOURCE = Path(__file__).with_name("matvec.cc")
+HEADERS = (Path(__file__).with_name("ggml_dot.h"),)
+"""Files `SOURCE` includes: part of what the library's name hashes."""
+
+MARCH_ENV = "JLLAMA_MARCH"
+"""Environment variable: build the kernels with `-march=$JLLAMA_MARCH` instead of native (e.g.
+`x86-64-v3`, the AVX2 + FMA path an AVX2-only CPU runs, to measure it on an AVX-512 machine)."""
 
 BUILD_TIMEOUT_S = 120
 
@@ -43,7 +49,8 @@ class KernelBuildError(BackendError):
 
 SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8",
            "jllama_matvec_int8_groups", "jllama_attention_f32", "jllama_sample_f32",
-           "jllama_argmax_f32", "jllama_rope_write_f32", "jllama_attention_chunk_f32")
+           "jllama_argmax_f32", "jllama_rope_write_f32", "jllama_attention_chunk_f32",
+           "jllama_matvec_ggml", "jllama_dequantize_ggml", "jllama_rows_ggml")
 """The FFI handlers `matvec.cc` exports; a library lacking one is not used or cached."""
 
 VECTOR_WIDTH = "jllama_vector_width"
@@ -65,10 +72,12 @@ def compiler() -> list[str] | None:
 
 def flags(march: str | None = None) -> list[str]:
     """Compiler flags: `-march=native` on x86-64, or `-march=MARCH` when given (the tests
-    build the AVX2-only and the generic paths with it). No -ffast-math: linking with it sets
-    flush-to-zero for the whole process; the 64 partial sums per row vectorize without
-    reassociation."""
+    build the AVX2-only and the generic paths with it), else `$JLLAMA_MARCH` when set. No
+    -ffast-math: linking with it sets flush-to-zero for the whole process; the 64 partial sums
+    per row vectorize without reassociation."""
     out = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w"]
+    if march is None:
+        march = os.environ.get(MARCH_ENV) or None
     if march is not None:
         out.append(f"-march={march}")
     elif platform.machine().lower() in ("x86_64", "amd64"):
@@ -93,7 +102,8 @@ def library_path(cxx: list[str], march: str | None = None) -> Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags(march)).encode(), " ".join(cxx).encode(),
+    sources = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    for part in (sources, " ".join(flags(march)).encode(), " ".join(cxx).encode(),
                  jaxlib.__version__.encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")

@@ -54,6 +54,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "ggml_dot.h"
+
 namespace ffi = xla::ffi;
 
 // Aliases: a comma inside a template argument would split the handler macros' arguments.
@@ -66,6 +68,7 @@ using F32MatrixResult = ffi::ResultBuffer<ffi::F32, 2>;
 using F32Heads = ffi::Buffer<ffi::F32, 3>;  // [n_kv_heads, positions or kv_mul, head_dim]
 using F32HeadsResult = ffi::ResultBuffer<ffi::F32, 3>;
 using S32Scalar = ffi::Buffer<ffi::S32, 0>;
+using S32Vector = ffi::Buffer<ffi::S32, 1>;
 using F32Scalar = ffi::Buffer<ffi::F32, 0>;
 using S32Result = ffi::ResultBuffer<ffi::S32, 0>;
 
@@ -100,7 +103,13 @@ inline float finish(const float* acc) {
   return halve16(s);
 }
 
+// A float16 weight (GGUF's F16 tensors), stored as its bits.
+struct Half {
+  uint16_t bits;
+};
+
 // One weight as float32: exact for every stored type.
+inline float widen(Half h) { return ggml::fp16(h.bits); }
 inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(uint16_t h) {  // bfloat16: the upper half of a float32
@@ -122,6 +131,9 @@ inline __m512 widen16(const uint16_t* w, __mmask16 keep) {
 inline __m512 widen16(const int8_t* w, __mmask16 keep) {
   __m128i b = _mm_maskz_loadu_epi8(keep, w);
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+inline __m512 widen16(const Half* w, __mmask16 keep) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, w));
 }
 template <typename T>
 inline __m512 widen16(const T* w) { return widen16(w, static_cast<__mmask16>(0xFFFF)); }
@@ -185,6 +197,24 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#if JLLAMA_AVX2
+// widen16's AVX2 counterparts: 8 consecutive weights as one register of float32.
+inline __m256 widen8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 widen8(const uint16_t* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 widen8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+inline __m256 widen8(const Half* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+
+// halve16 of 16 lanes held as two registers (lanes 0-7, 8-15): the same tree.
+inline float halve16(__m256 lo, __m256 hi) { return ggml::hsum8(_mm256_add_ps(lo, hi)); }
+#endif
+
 // sum_d a[d] * b[d] in 16 lanes then the tree of halve16 (a fixed order).
 inline float dot_head(const float* a, const float* b, int64_t n) {
 #if JLLAMA_AVX512
@@ -244,6 +274,26 @@ inline float dot(const T* w, const float* x, int64_t n) {
     a[r] = _mm512_fmadd_ps(widen16(w + i, keep), _mm512_maskz_loadu_ps(keep, x + i), a[r]);
   }
   return halve16(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+#elif JLLAMA_AVX2
+  // Eight 8-float registers are the 64 lanes (register r: lanes 8r .. 8r + 7).
+  __m256 a[8];
+  for (auto& r : a) r = _mm256_setzero_ps();
+  for (; i + kLanes <= n; i += kLanes) {
+    if (Stream) stream_ahead(w + i);
+    for (int r = 0; r < 8; ++r)
+      a[r] = _mm256_fmadd_ps(widen8(w + i + 8 * r), _mm256_loadu_ps(x + i + 8 * r), a[r]);
+  }
+  if (i < n) {  // the last partial block, zero-padded: lanes past the row's end add 0 * 0
+    T wt[kLanes] = {};
+    float xt[kLanes] = {};
+    std::memcpy(wt, w + i, sizeof(T) * (n - i));
+    std::memcpy(xt, x + i, sizeof(float) * (n - i));
+    for (int r = 0; r < 8; ++r)
+      a[r] = _mm256_fmadd_ps(widen8(wt + 8 * r), _mm256_loadu_ps(xt + 8 * r), a[r]);
+  }
+  // finish's tree: lane k with k + 16, k + 32, k + 48 as (a + b) + (c + d), then halve16.
+  return halve16(_mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[4], a[6])),
+                 _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7])));
 #else
   float acc[kLanes] = {0};
   for (; i + kLanes <= n; i += kLanes) {
@@ -295,6 +345,22 @@ inline float dot_int8_groups(const int8_t* q, const float* scale, const float* x
       a = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[k]), a);
     }
     return halve16(a);
+  }
+#elif JLLAMA_AVX2
+  if (size % 16 == 0) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t g = 0; g < n; g += size, ++k) {
+      if (Stream && (g & (kLanes - 1)) == 0) stream_ahead(q + g);
+      __m256 part_lo = _mm256_setzero_ps(), part_hi = _mm256_setzero_ps();
+      for (int64_t i = g; i < g + size; i += 16) {
+        part_lo = _mm256_fmadd_ps(widen8(q + i), _mm256_loadu_ps(x + i), part_lo);
+        part_hi = _mm256_fmadd_ps(widen8(q + i + 8), _mm256_loadu_ps(x + i + 8), part_hi);
+      }
+      const __m256 s = _mm256_set1_ps(scale[k]);
+      lo = _mm256_fmadd_ps(part_lo, s, lo);
+      hi = _mm256_fmadd_ps(part_hi, s, hi);
+    }
+    return halve16(lo, hi);
   }
 #endif
   for (int64_t g = k * size; g < n; g += size, ++k) {
@@ -556,6 +622,16 @@ void swiglu(const float* a, const float* gate, int64_t n, float* out) {
     _mm512_storeu_ps(out + i,
                      _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), _mm512_loadu_ps(gate + i)));
   }
+#elif JLLAMA_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(a + i);
+    // exp8 takes x <= 88 (its 2^n is built in the exponent bits); exp(88) already makes
+    // silu(v) = v / (1 + e) a zero of float32 for these v.
+    __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), v), _mm256_set1_ps(88.0f)));
+    _mm256_storeu_ps(out + i,
+                     _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(gate + i)));
+  }
 #endif
   for (; i < n; ++i) out[i] = a[i] / (1.0f + std::exp(-a[i])) * gate[i];
 }
@@ -579,6 +655,31 @@ ffi::Error extra_vector(ffi::RemainingArgs& extra, size_t k, int64_t length, con
   return ffi::Error::Success();
 }
 
+// The input of a product, x: f32[n] after the prologue (in `prepared` when there is one), and
+// the residual's vector (f32[m], or null), from extra[first], extra[first + 1] as the
+// attributes say.
+ffi::Error inputs(int64_t m, int64_t n, F32Vector& x, ffi::RemainingArgs& extra, size_t first,
+                  int32_t prologue, float eps, int32_t residual,
+                  std::unique_ptr<float[]>& prepared, const float** in, const float** add) {
+  if (prologue < kPlain || prologue > kSwiGlu)
+    return ffi::Error::InvalidArgument("jllama matvec: unknown prologue");
+  if (extra.size() != first + static_cast<size_t>((prologue != kPlain) + (residual != 0)))
+    return ffi::Error::InvalidArgument("jllama matvec: the extra vectors do not match the attributes");
+  *in = x.typed_data();
+  if (prologue != kPlain) {
+    const float* aux;
+    if (ffi::Error e = extra_vector(extra, first, n, &aux); e.failure()) return e;
+    prepared.reset(new float[n]);
+    if (prologue == kRmsNorm) rmsnorm(*in, aux, eps, n, prepared.get());
+    else swiglu(*in, aux, n, prepared.get());
+    *in = prepared.get();
+  }
+  *add = nullptr;
+  if (residual != 0)
+    if (ffi::Error e = extra_vector(extra, extra.size() - 1, m, add); e.failure()) return e;
+  return ffi::Error::Success();
+}
+
 // Product p (its weights set) on x after the prologue, plus the residual: the common body of
 // the matvec handlers. extra: the prologue's vector (f32[n]) if any, then the residual's
 // (f32[m]) if any.
@@ -586,23 +687,11 @@ ffi::Error product(ffi::ThreadPool& pool, Product p, int64_t m, F32Vector& x,
                    ffi::RemainingArgs& extra, F32Result& y, int32_t prologue, float eps,
                    int32_t residual) {
   if (ffi::Error e = check(m, p.n, x.dimensions(), y->dimensions()); e.failure()) return e;
-  if (prologue < kPlain || prologue > kSwiGlu)
-    return ffi::Error::InvalidArgument("jllama matvec: unknown prologue");
-  if (extra.size() != static_cast<size_t>((prologue != kPlain) + (residual != 0)))
-    return ffi::Error::InvalidArgument("jllama matvec: the extra vectors do not match the attributes");
   std::unique_ptr<float[]> prepared;
-  p.x = x.typed_data();
-  if (prologue != kPlain) {
-    const float* aux;
-    if (ffi::Error e = extra_vector(extra, 0, p.n, &aux); e.failure()) return e;
-    prepared.reset(new float[p.n]);
-    if (prologue == kRmsNorm) rmsnorm(p.x, aux, eps, p.n, prepared.get());
-    else swiglu(p.x, aux, p.n, prepared.get());
-    p.x = prepared.get();
-  }
-  const float* add = nullptr;
-  if (residual != 0)
-    if (ffi::Error e = extra_vector(extra, extra.size() - 1, m, &add); e.failure()) return e;
+  const float* add;
+  if (ffi::Error e = inputs(m, p.n, x, extra, 0, prologue, eps, residual, prepared, &p.x, &add);
+      e.failure())
+    return e;
   p.y = y->typed_data();
   run(pool, p, m);
   if (add != nullptr)
@@ -646,6 +735,194 @@ ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale,
                                nullptr, n, groups}, m, x, extra, y, prologue, eps, residual);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Products of GGML-typed weights as stored in a GGUF file (`jllama_matvec_ggml`): the weights
+// are up to kMaxParts matrices of any types in `ggml::layout`, stacked along their rows (a
+// layer's wq, wk and wv may each have another type: Q4_K_M files hold Q5_0, Q8_0, Q4_K and Q6_K
+// side by side). Rows of float types (F32, F16, BF16) are `dot`'s 64-lane sums over x; the
+// integer types' are `ggml::row_dot` over x quantized once per call (ggml_dot.h).
+
+constexpr int kMaxParts = 4;
+
+struct GgmlPart {
+  const uint8_t* data;  // u8[rows, row_bytes]
+  int64_t first, rows, row_bytes;
+  int32_t type;
+};
+
+struct GgmlProduct {
+  GgmlPart parts[kMaxParts];
+  int n_parts;
+  int64_t n;
+  const float* x;       // f32[n], after the prologue
+  ggml::Activations qx;  // x quantized, when a part has an integer type
+  float* y;
+};
+
+template <int32_t T, bool Stream>
+void ggml_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_t end) {
+  const uint8_t* rows = part.data - part.first * part.row_bytes;
+  for (int64_t r = begin; r < end; ++r) {
+    const uint8_t* row = rows + r * part.row_bytes;
+    if constexpr (T == ggml::F32) {
+      g.y[r] = dot<float, Stream>(reinterpret_cast<const float*>(row), g.x, g.n);
+    } else if constexpr (T == ggml::F16) {
+      g.y[r] = dot<Half, Stream>(reinterpret_cast<const Half*>(row), g.x, g.n);
+    } else if constexpr (T == ggml::BF16) {
+      g.y[r] = dot<uint16_t, Stream>(reinterpret_cast<const uint16_t*>(row), g.x, g.n);
+    } else {
+#if defined(__x86_64__) || defined(_M_X64)
+      if (Stream)
+        for (int64_t b = 0; b < part.row_bytes; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(row) + kStreamAhead + b, _MM_HINT_NTA);
+#endif
+      g.y[r] = ggml::row_dot<T>(row, g.qx);
+    }
+  }
+}
+
+template <bool Stream>
+void ggml_part_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_t end) {
+  switch (part.type) {
+    case ggml::F32: return ggml_rows<ggml::F32, Stream>(g, part, begin, end);
+    case ggml::F16: return ggml_rows<ggml::F16, Stream>(g, part, begin, end);
+    case ggml::BF16: return ggml_rows<ggml::BF16, Stream>(g, part, begin, end);
+    case ggml::Q8_0: return ggml_rows<ggml::Q8_0, Stream>(g, part, begin, end);
+    case ggml::Q4_0: return ggml_rows<ggml::Q4_0, Stream>(g, part, begin, end);
+    case ggml::Q4_1: return ggml_rows<ggml::Q4_1, Stream>(g, part, begin, end);
+    case ggml::Q5_0: return ggml_rows<ggml::Q5_0, Stream>(g, part, begin, end);
+    case ggml::Q5_1: return ggml_rows<ggml::Q5_1, Stream>(g, part, begin, end);
+    case ggml::Q2_K: return ggml_rows<ggml::Q2_K, Stream>(g, part, begin, end);
+    case ggml::Q3_K: return ggml_rows<ggml::Q3_K, Stream>(g, part, begin, end);
+    case ggml::Q4_K: return ggml_rows<ggml::Q4_K, Stream>(g, part, begin, end);
+    case ggml::Q5_K: return ggml_rows<ggml::Q5_K, Stream>(g, part, begin, end);
+    case ggml::Q6_K: return ggml_rows<ggml::Q6_K, Stream>(g, part, begin, end);
+    default: return;  // refused by the handler before any row runs
+  }
+}
+
+void rows_ggml(const Product& p, int64_t begin, int64_t end) {
+  const GgmlProduct& g = *static_cast<const GgmlProduct*>(p.w);
+  for (int k = 0; k < g.n_parts; ++k) {
+    const GgmlPart& part = g.parts[k];
+    const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
+    if (lo < hi) {
+      if (p.stream) ggml_part_rows<true>(g, part, lo, hi);
+      else ggml_part_rows<false>(g, part, lo, hi);
+    }
+  }
+}
+
+using U8Matrix = ffi::Buffer<ffi::U8, 2>;
+
+// Checks the parts (args[0 .. types.size() - 1], u8[rows, row_bytes] each) against x's length n
+// and fills g.parts; *m gets the rows in all, *bytes the weights' bytes.
+ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, int64_t n,
+                      GgmlProduct& g, int64_t* m, int64_t* bytes, bool* integer) {
+  const int64_t n_parts = static_cast<int64_t>(types.size());
+  if (n_parts < 1 || n_parts > kMaxParts || args.size() < static_cast<size_t>(n_parts))
+    return ffi::Error::InvalidArgument("jllama matvec_ggml: 1 to 4 weight parts");
+  *m = 0, *bytes = 0, *integer = false;
+  for (int64_t k = 0; k < n_parts; ++k) {
+    auto w = args.get<U8Matrix>(k);
+    if (w.has_error()) return w.error();
+    const ggml::Layout layout = ggml::layout(types[k]);
+    if (layout.elements == 0 || n % layout.elements != 0)
+      return ffi::Error::InvalidArgument(
+          "jllama matvec_ggml: a part's type is unknown or its blocks do not divide x's length");
+    const int64_t rows = w->dimensions()[0], row_bytes = n / layout.elements * layout.bytes;
+    if (w->dimensions()[1] != row_bytes)
+      return ffi::Error::InvalidArgument("jllama matvec_ggml: a part's rows are not x's length");
+    g.parts[k] = GgmlPart{w->typed_data(), *m, rows, row_bytes, types[k]};
+    *m += rows;
+    *bytes += rows * row_bytes;
+    *integer = *integer || ggml::integer_type(types[k]);
+  }
+  g.n_parts = static_cast<int>(n_parts);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args, F32Result y,
+                      ffi::Span<const int32_t> types, int32_t prologue, float eps,
+                      int32_t residual) {
+  const int64_t n = x.dimensions()[0];
+  GgmlProduct g{};
+  int64_t m, bytes;
+  bool integer;
+  if (ffi::Error e = ggml_parts(args, types, n, g, &m, &bytes, &integer); e.failure()) return e;
+  if (y->dimensions().size() != 1 || y->dimensions()[0] != m)
+    return ffi::Error::InvalidArgument("jllama matvec_ggml: y must be f32[rows of all parts]");
+  std::unique_ptr<float[]> prepared;
+  const float* add;
+  if (ffi::Error e = inputs(m, n, x, args, types.size(), prologue, eps, residual, prepared, &g.x,
+                            &add);
+      e.failure())
+    return e;
+  std::unique_ptr<uint8_t[]> scratch;
+  if (integer) {
+    scratch.reset(new uint8_t[ggml::activation_bytes(n)]);
+    g.qx = ggml::quantize(g.x, n, scratch.get());
+  }
+  g.n = n;
+  g.y = y->typed_data();
+  // `run` sizes its blocks and decides to split by weights per row: a byte of a quantized row
+  // costs about what a float32 weight does (decoding it is most of the work).
+  const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m));
+  run(pool, Product{rows_ggml, &g, nullptr, nullptr, g.y, cost}, m);
+  if (add != nullptr)
+    for (int64_t i = 0; i < m; ++i) g.y[i] = add[i] + g.y[i];
+  return ffi::Error::Success();
+}
+
+// Parts dequantized to float32 (`ggml::dequantize_row`, ggml's exact values), y: f32[m, n]: the
+// prefill chunk products multiply it with XLA's matrix product.
+void rows_dequantize(const Product& p, int64_t begin, int64_t end) {
+  const GgmlProduct& g = *static_cast<const GgmlProduct*>(p.w);
+  for (int k = 0; k < g.n_parts; ++k) {
+    const GgmlPart& part = g.parts[k];
+    const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
+    for (int64_t r = lo; r < hi; ++r)
+      ggml::dequantize_row(part.type, part.data + (r - part.first) * part.row_bytes, g.y + r * g.n,
+                           g.n);
+  }
+}
+
+ffi::Error DequantizeGgml(ffi::ThreadPool pool, ffi::RemainingArgs args, F32MatrixResult y,
+                          ffi::Span<const int32_t> types) {
+  const int64_t n = y->dimensions()[1];
+  GgmlProduct g{};
+  int64_t m, bytes;
+  bool integer;
+  if (args.size() != types.size())
+    return ffi::Error::InvalidArgument("jllama dequantize_ggml: one type per part");
+  if (ffi::Error e = ggml_parts(args, types, n, g, &m, &bytes, &integer); e.failure()) return e;
+  if (y->dimensions()[0] != m)
+    return ffi::Error::InvalidArgument("jllama dequantize_ggml: y must be f32[rows of all parts, n]");
+  g.n = n;
+  g.y = y->typed_data();
+  // Writing float32 costs more than reading the blocks: weigh a row by its output.
+  run(pool, Product{rows_dequantize, &g, nullptr, nullptr, g.y, n}, m);
+  return ffi::Error::Success();
+}
+
+// Rows `index` of a table of one GGML type dequantized (the embedding rows of tokens).
+ffi::Error RowsGgml(U8Matrix table, S32Vector index, F32MatrixResult y,
+                    int32_t type) {
+  const int64_t n = y->dimensions()[1], k = index.dimensions()[0], vocab = table.dimensions()[0];
+  const ggml::Layout layout = ggml::layout(type);
+  if (layout.elements == 0 || n % layout.elements != 0 || y->dimensions()[0] != k ||
+      table.dimensions()[1] != n / layout.elements * layout.bytes)
+    return ffi::Error::InvalidArgument("jllama rows_ggml: table u8[V, row_bytes] and y f32[k, n] "
+                                       "do not agree with the type");
+  const int64_t row_bytes = table.dimensions()[1];
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t r = index.typed_data()[i];
+    if (r < 0 || r >= vocab) return ffi::Error::InvalidArgument("jllama rows_ggml: index out of range");
+    ggml::dequantize_row(type, table.typed_data() + r * row_bytes, y->typed_data() + i * n, n);
+  }
+  return ffi::Error::Success();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Attention of one token over a layer's cache (decode), as llama2.c run.c: for each query head
@@ -1287,6 +1564,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_int8, MatvecInt8,
                                   .Arg<Int8Matrix>()
                                   .Arg<F32Vector>()
                                   .Arg<F32Vector>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_ggml, MatvecGgml,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Vector>()
+                                  .RemainingArgs()
+                                  .Ret<F32Vector>()
+                                  .Attr<ffi::Span<const int32_t>>("types")
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("residual"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_dequantize_ggml, DequantizeGgml,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Ret<F32Matrix>()
+                                  .Attr<ffi::Span<const int32_t>>("types"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_rows_ggml, RowsGgml,
+                              ffi::Ffi::Bind()
+                                  .Arg<U8Matrix>()
+                                  .Arg<S32Vector>()
+                                  .Ret<F32Matrix>()
+                                  .Attr<int32_t>("type"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_attention_f32, AttentionF32,
                               ffi::Ffi::Bind()
