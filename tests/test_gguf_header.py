@@ -1,0 +1,133 @@
+"""`jllama.formats.gguf_header` against the `gguf` package's GGUFReader (the reference): the
+same metadata values (types included) and the same tensor views, for the real SmolLM2 file and
+for files gguf's own writer makes with every value type, both byte orders."""
+
+from __future__ import annotations
+
+import struct
+
+import gguf
+import numpy as np
+import pytest
+
+from jllama.formats.gguf_header import read_header
+
+T = gguf.GGUFValueType
+
+
+def reference(path):
+    reader = gguf.GGUFReader(path, "r")
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return meta, reader.tensors
+
+
+def assert_same(path):
+    meta, tensors = reference(path)
+    header = read_header(path)
+    assert list(header.metadata) == list(meta)
+    for key, value in meta.items():
+        ours = header.metadata[key]
+        assert type(ours) is type(value) and ours == value, key
+        if isinstance(value, list):
+            assert [type(v) for v in ours] == [type(v) for v in value], key
+    assert len(header.tensors) == len(tensors)
+    for ours, ref in zip(header.tensors, tensors, strict=True):
+        assert (ours.name, ours.tensor_type, ours.n_elements, ours.n_bytes, ours.data_offset) == (
+            ref.name, ref.tensor_type, ref.n_elements, ref.n_bytes, ref.data_offset)
+        assert ours.shape.tolist() == ref.shape.tolist()
+        assert ours.data.dtype == ref.data.dtype and ours.data.shape == ref.data.shape
+        assert np.array_equal(ours.data, ref.data, equal_nan=True)
+        assert not ours.data.flags.writeable
+    return header
+
+
+def test_smollm2_as_ggufreader_reads_it(smollm2_gguf):
+    header = assert_same(smollm2_gguf)
+    assert len(header.metadata["tokenizer.ggml.tokens"]) == 49152
+
+
+def write_every_type(path, endianess=gguf.GGUFEndian.LITTLE):
+    w = gguf.GGUFWriter(path, "llama", endianess=endianess)
+    scalars = [(T.UINT8, 255), (T.INT8, -128), (T.UINT16, 65535), (T.INT16, -32768),
+               (T.UINT32, 2**32 - 1), (T.INT32, -(2**31)), (T.UINT64, 2**64 - 1),
+               (T.INT64, -(2**63)), (T.FLOAT32, 0.1), (T.FLOAT64, 0.1), (T.BOOL, True),
+               (T.STRING, "héllo ✓ \U0001F600")]
+    for vtype, value in scalars:
+        w.add_key_value(f"scalar.{vtype.name.lower()}", value, vtype)
+        w.add_key_value(f"array.{vtype.name.lower()}", [value, value], T.ARRAY, vtype)
+    w.add_key_value("array.bools", [True, False, True], T.ARRAY, T.BOOL)
+    w.add_key_value("array.floats", [1.5, -0.0, float("inf")], T.ARRAY, T.FLOAT32)
+    w.add_key_value("string.empty", "", T.STRING)
+    w.add_key_value("array.strings", ["", "a", "Ġthe", "\n"], T.ARRAY, T.STRING)
+    w.add_key_value("general.alignment", 64, T.UINT32)
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 64)).astype(np.float16))
+    w.add_tensor("i32", np.arange(7, dtype=np.int32))
+    q8 = gguf.quants.quantize(rng.standard_normal((2, 64)).astype(np.float32),
+                              gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_every_value_type_and_tensor_kind(tmp_path, endianess):
+    header = assert_same(write_every_type(tmp_path / "all.gguf", endianess))
+    assert header.alignment == 64 and header.data_offset % 64 == 0
+    assert header.metadata["scalar.uint64"] == 2**64 - 1
+
+
+def nested_array_file(path):
+    """A file with an array of arrays of u32 (GGUFWriter flattens nothing: written by hand)."""
+    def s(text):
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    value = struct.pack("<IQ", T.ARRAY, 2)
+    for row in ([1, 2], [3]):
+        value += struct.pack("<IQ", T.UINT32, len(row)) + struct.pack(f"<{len(row)}I", *row)
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + s("nested") + struct.pack("<I", T.ARRAY)
+    path.write_bytes(data + value)
+    return path
+
+
+def test_nested_arrays_are_flattened_as_ggufreader_does(tmp_path):
+    header = assert_same(nested_array_file(tmp_path / "nested.gguf"))
+    assert header.metadata["nested"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("cut, needle", [
+    (lambda d: d[:10], "runs past the end of the file"),
+    (lambda d: d[:200], "runs past the end of the file"),
+    (lambda d: d[:-100], "tensor data runs past the end of the file"),
+    (lambda d: b"GGML" + d[4:], "no 'GGUF' magic"),
+    (lambda d: d[:4] + struct.pack("<I", 1) + d[8:], "version 1 is not supported"),
+])
+def test_damaged_files_are_one_line_value_errors(tmp_path, cut, needle):
+    data = write_every_type(tmp_path / "good.gguf").read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(cut(data))
+    with pytest.raises(ValueError) as info:
+        read_header(bad)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(Exception):  # the reference refuses them too
+        reference(bad)
+
+
+def test_invalid_utf8_and_repeated_keys_are_refused(tmp_path):
+    def s(raw: bytes):
+        return struct.pack("<Q", len(raw)) + raw
+
+    entry = s(b"k") + struct.pack("<I", T.STRING) + s(b"\xff\xfe")
+    (tmp_path / "utf8.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + entry)
+    with pytest.raises(ValueError, match="not UTF-8"):
+        read_header(tmp_path / "utf8.gguf")
+    twice = s(b"k") + struct.pack("<IB", T.UINT8, 1)
+    (tmp_path / "twice.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + twice * 2)
+    with pytest.raises(ValueError, match="'k' appears twice"):
+        read_header(tmp_path / "twice.gguf")
+    with pytest.raises(KeyError):  # GGUFReader refuses a repeated key as well
+        reference(tmp_path / "twice.gguf")
