@@ -109,17 +109,18 @@ class CompileCache:
         found = _JAX_CACHE_ERROR.search(message)
         if found is None or self.folder is None:
             return False
-        removed = 0
         if found.group(1) == "reading":
-            removed = remove_program(self.folder, found.group(2))
+            remove_program(self.folder, found.group(2))
         if not self._reported:
             self._reported = True
-            what = found.group(1)
-            fix = (f"; removed its {removed} entries, compiled anew" if what == "reading"
-                   else "; running without storing it")
             reason = " ".join(message.split(": ", 1)[-1].split())
-            self._warn(f"jllama: warning: compile cache {self.folder}: error {what} the "
-                       f"program {found.group(2)} ({reason}){fix}")
+            if found.group(1) == "reading":
+                what = (f"the entry of {found.group(2)} is unreadable ({reason}); unreadable "
+                        "entries are compiled again and replaced")
+            else:
+                what = (f"cannot store {found.group(2)} ({reason}); programs that cannot be "
+                        "stored are compiled in every run")
+            self._warn(f"jllama: warning: compile cache {self.folder}: {what}")
         return True
 
 
