@@ -8,6 +8,7 @@ once here, with llama2.c run.c's meanings, so no other module re-derives them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 from jllama.errors import ConfigError
@@ -20,22 +21,29 @@ MAX_VOCAB = 1 << 22
 MAX_SEQ_LEN = 1 << 22
 
 
-ROPE_SCALING_TYPES = ("linear", "llama3")
+ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """How RoPE frequencies are stretched for a longer context (Hugging Face's `rope_scaling`).
+    """How RoPE frequencies are stretched for a longer context (Hugging Face's `rope_scaling`,
+    or llama.cpp's `rope_freqs` tensor).
 
     Attributes:
-      rope_type: "linear" (every frequency divided by `factor`, i.e. positions compressed) or
+      rope_type: "linear" (every frequency divided by `factor`, i.e. positions compressed),
         "llama3" (Llama 3.1/3.2: low frequencies divided by `factor`, high ones kept, a smooth
-        blend between; `jllama.rope.rope_frequencies` has the formula).
-      factor: the stretch, > 0 (e.g. 8.0 for Llama 3.1, 32.0 for Llama 3.2).
+        blend between; `jllama.rope.rope_frequencies` has the formula), or "freq_factors"
+        (llama.cpp's per-frequency divisors, a GGUF's `rope_freqs.weight`: frequency i divided
+        by `freq_factors[i]` and then by `factor`).
+      factor: the stretch, > 0 (e.g. 8.0 for Llama 3.1, 32.0 for Llama 3.2); for
+        "freq_factors" the linear factor applied on top of them (1.0: none).
       low_freq_factor, high_freq_factor: llama3 only; wavelengths longer than
         original_max_position_embeddings / low_freq_factor are fully scaled, shorter than
         original_max_position_embeddings / high_freq_factor untouched (Llama 3.1: 1.0, 4.0).
       original_max_position_embeddings: llama3 only; the pre-training context, tokens (8192).
+      freq_factors: "freq_factors" only: one finite divisor > 0 per rotated pair, a tuple of
+        head_dim // 2 floats (a tuple, so the config stays hashable); () for the other types.
+        `ModelConfig` checks the length against its head_dim.
 
     Raises:
       ConfigError: an unknown type or out-of-range values.
@@ -46,6 +54,7 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.rope_type not in ROPE_SCALING_TYPES:
@@ -63,6 +72,21 @@ class RopeScaling:
                 )
             if not self.original_max_position_embeddings > 0:
                 raise ConfigError("rope_scaling original_max_position_embeddings must be positive")
+        factors = tuple(float(f) for f in self.freq_factors)
+        object.__setattr__(self, "freq_factors", factors)
+        if self.rope_type != "freq_factors":
+            if factors:
+                raise ConfigError(
+                    f"rope_scaling freq_factors are given but the type is {self.rope_type!r}"
+                )
+            return
+        if not factors:
+            raise ConfigError("rope_scaling type 'freq_factors' needs at least one factor")
+        for i, f in enumerate(factors):
+            if not (math.isfinite(f) and f > 0):
+                raise ConfigError(
+                    f"rope_scaling freq_factors[{i}] is {f}; each must be finite and positive"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +110,7 @@ class ModelConfig:
 
     Raises:
       ConfigError: a size that is non-positive or absurdly large, or sizes that do not fit
-        together (heads not dividing, odd head_dim).
+        together (heads not dividing, odd head_dim, freq_factors not one per rotated pair).
     """
 
     dim: int
@@ -139,6 +163,13 @@ class ModelConfig:
             raise ConfigError(f"norm_eps={self.norm_eps} must be positive")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta={self.rope_theta} must be positive")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.freq_factors:
+            if len(scaling.freq_factors) != self.head_dim // 2:
+                raise ConfigError(
+                    f"rope_scaling has {len(scaling.freq_factors)} freq_factors; "
+                    f"head_dim={self.head_dim} rotates {self.head_dim // 2} pairs"
+                )
 
     @property
     def q_dim(self) -> int:

@@ -20,7 +20,8 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     Computed in float32 as run.c does (`1.0f / powf(theta, 2i / (float)head_dim)`), so angles
     match run.c's to the last bit or two. With `config.rope_scaling` they are then scaled as
     Hugging Face transformers' `ROPE_INIT_FUNCTIONS` do (`_compute_linear_scaling_parameters`,
-    `_compute_llama3_parameters`; attention is not rescaled for either):
+    `_compute_llama3_parameters`; attention is not rescaled for either), or, for a GGUF's
+    per-frequency factors, as llama.cpp does:
 
       linear: inv_freq / factor
       llama3: with wavelen = 2 pi / inv_freq, L = original_max_position_embeddings,
@@ -28,6 +29,11 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
         wavelen < L / high_freq_factor       -> inv_freq
         otherwise, s = (L / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor),
                                              -> (1 - s) * inv_freq / factor + s * inv_freq
+      freq_factors: inv_freq / freq_factors[i] / factor, as ggml's rope does with a GGUF's
+        `rope_freqs.weight` (ggml-cpu `ggml_rope_cache_init`: theta / ff, times freq_scale =
+        1 / factor). llama.cpp's converter (`LlamaModel.generate_extra_tensors`) writes
+        freq_factors[i] = 1 / (the llama3 formula's multiplier of inv_freq[i]), so with
+        factor 1 this is the llama3 row above up to float32 rounding (a few ulp).
     """
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
     inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(
@@ -39,6 +45,9 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     factor = np.float32(scaling.factor)
     if scaling.rope_type == "linear":
         return (inv_freq / factor).astype(np.float32)
+    if scaling.rope_type == "freq_factors":
+        divided = inv_freq / np.asarray(scaling.freq_factors, np.float32)
+        return (divided / factor).astype(np.float32)
     # llama3, in float32 as transformers computes it
     old = np.float32(scaling.original_max_position_embeddings)
     low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)

@@ -229,10 +229,10 @@ def _bad_files(tmp_path, weights):
             ),
             "blk.0.attn_q.bias",
         ),
-        "rope_scaling": (
+        "rope_scaling": (  # head_dim 16 rotates 8 pairs: 5 factors is the wrong length
             write_gguf(
                 tmp_path / "f.gguf", TINY, weights,
-                extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)},
+                extra_tensors={"rope_freqs.weight": np.ones(5, np.float32)},
             ),
             "rope_freqs.weight",
         ),

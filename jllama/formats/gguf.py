@@ -13,9 +13,19 @@ Metadata keys read (prefix `llama.`, as llama.cpp's `llm_load_hparams` for LLM_A
   attention.layer_norm_rms_epsilon -> norm_eps, rope.freq_base -> rope_theta (default 10000),
   rope.dimension_count (must be head_dim: partial rotary embeddings are not supported),
   vocab_size (default: the tokenizer's token count).
-`rope.scaling.type` "linear" with `rope.scaling.factor` becomes a linear `RopeScaling`; other
-types, and a `rope_freqs.weight` tensor (llama.cpp's per-frequency factors for Llama 3.1 scaled
-RoPE), are refused with an error.
+RoPE scaling, as llama.cpp reads it (`llama_model::load_hparams`, `llama_context`'s cparams,
+ggml's rope):
+  rope.scaling.type (default "linear", llama.cpp's default): "none" (no scaling whatever the
+    factor), "linear", or "yarn"/"longrope" (refused: not implemented);
+  rope.scaling.factor (else the older rope.scale_linear; default 0, which means 1): every
+    frequency divided by it (llama.cpp's freq_scale = 1 / factor);
+  rope.scaling.attn_factor: must be 1 if present (llama.cpp multiplies cos and sin by it;
+    jllama does not); rope.scaling.original_context_length, .finetuned and the yarn_* keys
+    change nothing outside YaRN and are only type-checked;
+  tensor rope_freqs.weight (Llama 3.1/3.2, written by convert_hf_to_gguf.py's
+    `LlamaModel.generate_extra_tensors` in place of any rope.scaling key): F32[head_dim / 2],
+    frequency i divided by rope_freqs[i], each factor finite and > 0. It makes a
+    "freq_factors" `RopeScaling` carrying the factors (and the linear factor on top, if any).
 
 Tensor names (llama.cpp's `LLM_TENSOR_NAMES`) and where they go:
   token_embd.weight -> token_embedding_table   output_norm.weight -> rms_final_weight
@@ -181,7 +191,8 @@ def config_from_metadata(
 
     Raises:
       CheckpointError: not the llama architecture, a required key missing or of the wrong
-        type, or a feature jllama does not implement (partial rotary, RoPE scaling).
+        type, or a feature jllama does not implement (partial rotary, YaRN or LongRoPE
+        scaling, a RoPE attn_factor).
       ConfigError: values that do not make a valid model.
     """
     arch = meta.get("general.architecture")
@@ -208,14 +219,7 @@ def config_from_metadata(
             f"{source}: rope.dimension_count={rope_dims} differs from head_dim={head_dim} "
             "(partial rotary embeddings are not supported)"
         )
-    scaling = meta.get(p + "rope.scaling.type", "none")
-    rope_scaling = None
-    if scaling == "linear":
-        rope_scaling = RopeScaling("linear", _get(meta, p + "rope.scaling.factor", source, float))
-    elif scaling not in ("none", ""):
-        raise CheckpointError(
-            f"{source}: rope.scaling.type={scaling!r} is not supported (supported: linear)"
-        )
+    rope_scaling = _rope_scaling(meta, source)
     context_length = _get(meta, p + "context_length", source, int)
     if vocab_size is None:
         tokens = meta.get("tokenizer.ggml.tokens")
@@ -244,6 +248,86 @@ def config_from_metadata(
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+_ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+"""The `rope.scaling.type` values llama.cpp knows (`LLAMA_ROPE_SCALING_TYPES`)."""
+
+ROPE_FREQS = "rope_freqs.weight"
+"""The tensor of llama.cpp's per-frequency RoPE divisors (Llama 3.1/3.2 scaled RoPE)."""
+
+
+def _rope_scaling(meta: Mapping[str, Any], source: str) -> RopeScaling | None:
+    """The linear RoPE scaling of `llama.rope.scaling.*` (rules in the module docstring), or
+    None. The per-frequency factors of rope_freqs.weight are added later (`with_rope_freqs`)."""
+    p = "llama.rope."
+    kind = _get(meta, p + "scaling.type", source, str, "linear")
+    if kind not in _ROPE_SCALING_TYPES:
+        raise CheckpointError(
+            f"{source}: {p}scaling.type={kind!r} is not a RoPE scaling type llama.cpp knows "
+            f"({', '.join(_ROPE_SCALING_TYPES)})"
+        )
+    if kind in ("yarn", "longrope"):
+        raise CheckpointError(
+            f"{source}: {p}scaling.type={kind!r} is not supported (supported: none, linear, "
+            "and Llama 3's rope_freqs tensor)"
+        )
+    for key, kind_of in (("scaling.original_context_length", int), ("scaling.finetuned", bool),
+                         ("scaling.yarn_log_multiplier", float), ("scaling.yarn_ext_factor", float),
+                         ("scaling.yarn_attn_factor", float), ("scaling.yarn_beta_fast", float),
+                         ("scaling.yarn_beta_slow", float)):
+        _get(meta, p + key, source, kind_of, None)
+    attn_factor = _get(meta, p + "scaling.attn_factor", source, float, 1.0)
+    if attn_factor != 1.0:
+        raise CheckpointError(
+            f"{source}: {p}scaling.attn_factor={attn_factor} is not supported (jllama does not "
+            "scale RoPE's cos and sin; only 1.0 is)"
+        )
+    key = p + "scaling.factor" if p + "scaling.factor" in meta else p + "scale_linear"
+    factor = _get(meta, key, source, float, 0.0)
+    if not np.isfinite(factor) or factor < 0:
+        raise CheckpointError(f"{source}: {key}={factor} must be finite and not negative")
+    if kind == "none" or factor in (0.0, 1.0):  # llama.cpp: factor 0 means freq_scale 1
+        return None
+    return RopeScaling("linear", factor)
+
+
+def with_rope_freqs(config: ModelConfig, tensor, source: str) -> ModelConfig:
+    """`config` with the per-frequency RoPE factors of a GGUF's rope_freqs.weight tensor.
+
+    Args:
+      config: the model's config from `config_from_metadata` (its linear factor, if any, is
+        kept and applied on top of the factors, as llama.cpp does).
+      tensor: the `gguf.ReaderTensor` named rope_freqs.weight: F32[head_dim / 2].
+      source: the file, for error messages.
+
+    Raises:
+      CheckpointError: not F32, not head_dim / 2 values, or a factor that is not finite and
+        positive; one line naming the tensor.
+    """
+    what = f"{source}: tensor {ROPE_FREQS!r}"
+    type_id = int(tensor.tensor_type)
+    if type_id != ggml_quants.F32:
+        raise CheckpointError(
+            f"{what} is {ggml_quants.type_name(type_id)}; llama.cpp's RoPE factors must be F32"
+        )
+    shape = [int(n) for n in reversed(tensor.shape.tolist())]
+    want = config.head_dim // 2
+    if shape != [want]:
+        raise CheckpointError(
+            f"{what} has shape {shape}, expected [{want}] (one factor per rotated pair of "
+            f"head_dim={config.head_dim})"
+        )
+    factors = np.asarray(tensor.data, np.float32).reshape(-1)
+    bad = np.flatnonzero(~(np.isfinite(factors) & (factors > 0)))
+    if bad.size:
+        raise CheckpointError(
+            f"{what}: factor [{int(bad[0])}] is {float(factors[bad[0]])}; RoPE factors must be "
+            "finite and positive"
+        )
+    linear = config.rope_scaling.factor if config.rope_scaling is not None else 1.0
+    scaling = RopeScaling("freq_factors", linear, freq_factors=tuple(factors.tolist()))
+    return dataclasses.replace(config, rope_scaling=scaling)
 
 
 def _tensor_target(name: str, n_layers: int) -> tuple[str, int | None] | None:
@@ -299,10 +383,9 @@ def read_gguf(
 
     tensors = {}
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            raise CheckpointError(
-                f"{source}: tensor rope_freqs.weight (Llama 3.1 RoPE scaling) is not supported yet"
-            )
+        if tensor.name == ROPE_FREQS:
+            config = with_rope_freqs(config, tensor, source)
+            continue
         target = _tensor_target(tensor.name, config.n_layers)
         if target is None:
             raise CheckpointError(

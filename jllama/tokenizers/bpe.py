@@ -34,11 +34,16 @@ from jllama.tokenizers.llama2c import bytes_for_display, split_special_tokens
 # GGUF token types (gguf-py's TokenType, llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-END_OF_GENERATION_TEXTS = frozenset(
-    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"}
-)
-"""Token texts that end a generation wherever they are in the vocabulary (a subset of
-llama.cpp's `special_eog_ids` text list in src/llama-vocab.cpp)."""
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",  # Llama 3
+    "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<end_of_utterance>", "<eos>",
+    "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})
+"""Token texts that end a generation wherever they are in the vocabulary: llama.cpp's
+`special_eog_ids` text list (src/llama-vocab.cpp, `llama_vocab::impl::load`). llama.cpp then
+drops <|end|> again from vocabularies that hold gpt-oss's or Solar's pairs (<|return|> and
+<|call|>, <|calls|> and <|flush|>); those are not llama-architecture models, so jllama keeps it."""
 
 _CACHE_LIMIT = 50_000
 """Most pre-tokens whose ids `ByteLevelBPE` keeps; the cache is emptied when full."""
@@ -106,7 +111,11 @@ PRE_TOKENIZERS: Mapping[str, PreTokenizer] = {
         _SMOLLM,
     ),
     **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"], _GPT2),
-    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "falcon3"], _LLAMA3),
+    **dict.fromkeys(
+        ["llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+         "jina-v5-nano"],
+        _LLAMA3,
+    ),
     # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT, also used when the key is missing.
     "default": _DEFAULT,
 }
