@@ -541,8 +541,19 @@ class ByteStreamDecoder:
         return text
 
 
+_GPT2_TO_LATIN1 = {ord(c): chr(b) for c, b in UNICODE_TO_BYTE.items()}
+# Characters outside GPT-2's table stand for their own UTF-8 bytes; below U+0100 those bytes
+# are written as Latin-1 characters here, so one translate + encode("latin-1") decodes a token.
+_GPT2_TO_LATIN1.update({
+    c: chr(c).encode("utf-8").decode("latin-1") for c in range(256) if c not in _GPT2_TO_LATIN1
+})
+
+
 def _byte_level_decode(token: str) -> bytes:
-    return b"".join(
-        bytes((UNICODE_TO_BYTE[c],)) if c in UNICODE_TO_BYTE else c.encode("utf-8", "replace")
-        for c in token
-    )
+    try:
+        return token.translate(_GPT2_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:  # a character beyond U+00FF that is not in the table
+        return b"".join(
+            bytes((UNICODE_TO_BYTE[c],)) if c in UNICODE_TO_BYTE else c.encode("utf-8", "replace")
+            for c in token
+        )
