@@ -134,3 +134,46 @@ def test_the_cache_folder_changes_with_the_kernel_library(monkeypatch, tmp_path)
     assert other != plain and other.name == library_path(compiler()).stem
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert cache_folder(tmp_path).name.startswith("xla-")
+
+
+def test_lazy_blocks_make_each_block_once_when_first_read():
+    from jllama.backends.jax_graph import LazyBlocks
+
+    made = []
+    blocks = LazyBlocks(4, lambda: made.append(len(made)) or f"block{len(made) - 1}")
+    assert len(blocks) == 4 and made == []
+    assert blocks[1] == "block0" and blocks[1] == "block0" and made == [0]
+    assert blocks[:3] == ["block1", "block0", "block2"]  # slot 0 then 2 made, in order
+    blocks[3] = "written"
+    assert list(blocks) == ["block1", "block0", "block2", "written"] and made == [0, 1, 2]
+
+
+def test_a_short_run_allocates_only_the_cache_blocks_it_reaches():
+    import numpy as np
+
+    from jllama.backends.jax_graph import JaxGraphBackend
+    from jllama.backends.numpy_ref import NumpyBackend
+    from jllama.config import ModelConfig
+    from jllama.weights import random_weights
+
+    config = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2,
+                         vocab_size=96, seq_len=1024)
+    weights = random_weights(config, seed=3, scale=0.08)
+    backend, reference = JaxGraphBackend(matvec="xla"), NumpyBackend()
+    backend.prepare(config, weights)
+    reference.prepare(config, weights)
+
+    def allocated():
+        return [[list.__getitem__(blocks, i) is not None for i in range(len(blocks))]
+                for blocks in backend.key_cache + backend.value_cache]
+
+    assert allocated() == [[True, False, False, False]] * 4  # 4 blocks of 256 positions
+    for pos, token in enumerate([5, 7, 9]):
+        np.testing.assert_allclose(backend.forward(token, pos), reference.forward(token, pos),
+                                   rtol=2e-4, atol=2e-5)
+    assert allocated() == [[True, False, False, False]] * 4
+    # Position 300 lies in the second block: it is made (zeros, as the reference's cache
+    # holds there) when the window first reaches it.
+    np.testing.assert_allclose(backend.forward(1, 300), reference.forward(1, 300),
+                               rtol=2e-4, atol=2e-5)
+    assert allocated() == [[True, True, False, False]] * 4
