@@ -220,6 +220,9 @@ def check_model(name, config, weights, counts, prompt, steps, modes, numpy_ref: 
                 "tokens_prefill": run_tokens(b, prompt, steps, prefill=True),
                 "max_logit_diff": float(np.max(np.abs(logits - ref_logits))),
             }
+            if mode == "graph":  # every position's logits from the chunk programs (perplexity)
+                rows = b.prefill_logits(sequence[:steps], 0)
+                entry[mode]["prefill_logits_diff"] = float(np.max(np.abs(rows - ref_logits)))
             if numpy_ref:
                 entry[mode]["max_diff_vs_numpy"] = float(np.max(np.abs(logits - np_logits)))
             if mode == "graph":

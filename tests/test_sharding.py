@@ -187,6 +187,8 @@ def test_split_runs_give_the_one_device_tokens_and_logits(report):
             assert got["tokens"] == single["tokens"], (model, n, mode)
             assert got["tokens_prefill"] == single["tokens_prefill"], (model, n, mode)
             assert got["max_logit_diff"] < 1e-4, (model, n, mode, got["max_logit_diff"])
+            if mode == "graph":
+                assert got["prefill_logits_diff"] < 1e-4, (model, n, got["prefill_logits_diff"])
             checked += 1
         if "loop" in entry:
             assert entry["loop"] == single["loop"], (model, n)
