@@ -73,7 +73,8 @@ class PerplexityResult:
       estimate: the final `Estimate` over every scored token.
       chunk_ppl: PPL over the chunks so far, after each chunk (llama.cpp's `[1]x,[2]y,...`).
       ctx: tokens a chunk; chunks: chunks evaluated; tokens: tokens in the whole text.
-      seconds: wall time of the chunks' evaluation and scoring.
+      seconds: wall time of the chunks' evaluation and scoring, seconds (a program a backend
+        compiles at its first use, such as the classifier over a chunk's rows, counts in it).
     """
 
     estimate: Estimate
