@@ -902,6 +902,7 @@ def _perplexity() -> int:
     n_devices = _device_count(config, several=False)
     print(f"jllama: {required_memory(model, n_devices)}", file=sys.stderr)
     decode = "graph" if FLAGS.decode in ("auto", "loop") else FLAGS.decode
+    _compile_cache()
     backend = _make_backend(config, model.weights, n_devices, decode)
     chunked = FLAGS.prefill == "chunked" and hasattr(backend, "prefill_logits")
     if hasattr(backend, "compile_for"):
