@@ -1,6 +1,7 @@
-"""`perplexity_vs.py`: reading llama-perplexity's output (lines copied from a real run on this
-machine), and bad input as one line with exit status 1 before any work
-(`.venv/bin/python -m pytest bench/test_perplexity_vs.py`, a few seconds)."""
+"""`perplexity_vs.py`: reading llama-perplexity's output (lines of a real run on this machine,
+and its too-short message as tools/perplexity/perplexity.cpp formats it), and bad input as one
+line with exit status 1 before any work (`.venv/bin/python -m pytest
+bench/test_perplexity_vs.py`, a few seconds)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,14 @@ import perplexity_vs
 from cli import BenchError
 
 # llama-perplexity -m smollm2-f32.gguf -f alice_wonderland_ch1-4.txt -c 101 --chunks 3 -t 2
-# -fa off -ctk f32 -ctv f32 (llama.cpp 0c1e570), the lines that matter among the others
-OUTPUT = """0.14.197.400 I perplexity: tokenizing the input ..
-0.14.197.420 I perplexity: tokenization took 18.5 ms
-0.14.197.442 I perplexity: calculating perplexity over 3 chunks, n_ctx=101, batch_size=2020, n_seq=20
-0.26.400.001 I perplexity: 12.20 seconds per pass - ETA 0.20 minutes
+# -fa off -ctk f32 -ctv f32 (llama.cpp 0c1e570): lines 5-11 of its output
+OUTPUT = """0.05.392.907 I perplexity: tokenizing the input ..
+0.05.414.978 I perplexity: tokenization took 22.056 ms
+0.05.415.047 I perplexity: calculating perplexity over 3 chunks, n_ctx=101, batch_size=2020, n_seq=20
+0.10.375.689 I perplexity: 4.96 seconds per pass - ETA 0.00 minutes
 [1]26.9103,[2]29.3994,[3]29.5068,
-0.26.806.438 I Final estimate: PPL = 29.5068 +/- 6.19378
+0.10.443.047 I Final estimate: PPL = 29.5068 +/- 6.19378
 
-llama_perf_context_print:        load time =     123.45 ms
 """
 
 
