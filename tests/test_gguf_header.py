@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from jllama.formats.gguf_header import read_header
+from jllama.formats.gguf_header import BLOCK_SIZES, read_header
 
 T = gguf.GGUFValueType
 
@@ -59,7 +59,7 @@ def write_every_type(path, endianess=gguf.GGUFEndian.LITTLE):
     w.add_key_value("array.floats", [1.5, -0.0, float("inf")], T.ARRAY, T.FLOAT32)
     w.add_key_value("string.empty", "", T.STRING)
     w.add_key_value("array.strings", ["", "a", "Ġthe", "\n"], T.ARRAY, T.STRING)
-    w.add_key_value("general.alignment", 64, T.UINT32)
+    w.add_custom_alignment(64)
     rng = np.random.default_rng(0)
     w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
     w.add_tensor("f16", rng.standard_normal((2, 64)).astype(np.float16))
@@ -67,6 +67,9 @@ def write_every_type(path, endianess=gguf.GGUFEndian.LITTLE):
     q8 = gguf.quants.quantize(rng.standard_normal((2, 64)).astype(np.float32),
                               gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    # A type outside gguf_header's own table (its size comes from the gguf package).
+    iq4 = rng.integers(0, 256, (2, 18), dtype=np.uint8)
+    w.add_tensor("iq4_nl", iq4, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -131,3 +134,8 @@ def test_invalid_utf8_and_repeated_keys_are_refused(tmp_path):
         read_header(tmp_path / "twice.gguf")
     with pytest.raises(KeyError):  # GGUFReader refuses a repeated key as well
         reference(tmp_path / "twice.gguf")
+
+
+def test_block_sizes_are_ggmls():
+    assert {t: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)] for t in BLOCK_SIZES} == \
+        BLOCK_SIZES

@@ -21,8 +21,6 @@ import struct
 from typing import Any, NamedTuple
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import quant_shape_to_byte_shape
 
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -33,11 +31,17 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 """Metadata value types (`gguf.GGUFValueType`) with a fixed size, as `struct` formats."""
 _DTYPES = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8",
            11: "i8", 12: "f8"}
-_PLAIN_TENSORS = {GGMLQuantizationType.F16: "f2", GGMLQuantizationType.F32: "f4",
-                  GGMLQuantizationType.F64: "f8", GGMLQuantizationType.I8: "i1",
-                  GGMLQuantizationType.I16: "i2", GGMLQuantizationType.I32: "i4",
-                  GGMLQuantizationType.I64: "i8"}
-"""Tensor types whose data is viewed element by element; the others as bytes per row."""
+_PLAIN_TENSORS = {0: "f4", 1: "f2", 24: "i1", 25: "i2", 26: "i4", 27: "i8", 28: "f8"}
+"""ggml types (F32, F16, I8, I16, I32, I64, F64) whose data is viewed element by element; the
+others as bytes per row."""
+
+BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
+               8: (32, 34), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),
+               14: (256, 210), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
+               30: (1, 2)}
+"""(elements, bytes) of a block of the common ggml types (ggml's type traits: F32, F16, Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, the integers, F64, BF16); other types' sizes come from
+the `gguf` package (imported only then: importing it costs 0.1 s, most of it YAML)."""
 
 
 class HeaderTensor(NamedTuple):
@@ -45,7 +49,7 @@ class HeaderTensor(NamedTuple):
 
     Attributes:
       name: e.g. "blk.0.attn_q.weight".
-      tensor_type: its `gguf.GGMLQuantizationType`.
+      tensor_type: its ggml type id (an int; `gguf.GGMLQuantizationType` names them).
       shape: u64[n_dims], innermost dimension first (ggml's ne).
       n_elements, n_bytes: its element and byte counts.
       data_offset: where its data starts in the file, bytes.
@@ -54,7 +58,7 @@ class HeaderTensor(NamedTuple):
     """
 
     name: str
-    tensor_type: GGMLQuantizationType
+    tensor_type: int
     shape: np.ndarray
     n_elements: int
     n_bytes: int
@@ -218,25 +222,36 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
                       alignment=alignment, data_offset=data_offset)
 
 
+def block_size(type_id: int) -> tuple[int, int] | None:
+    """(elements, bytes) of one block of ggml type `type_id`, or None for an unknown type."""
+    if type_id in BLOCK_SIZES:
+        return BLOCK_SIZES[type_id]
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES.get(type_id)
+
+
 def _tensor(mapped: np.memmap, order: str, name: str, dims: list[int], type_id: int,
             start: int) -> HeaderTensor:
-    try:
-        ggml_type = GGMLQuantizationType(type_id)
-    except ValueError:
-        raise ValueError(f"tensor {name!r} has unknown ggml type {type_id}") from None
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    sizes = block_size(type_id)
+    if sizes is None:
+        raise ValueError(f"tensor {name!r} has unknown ggml type {type_id}")
+    block, type_size = sizes
     n_elements = int(np.prod(dims, dtype=np.uint64)) if dims else 1
-    n_bytes = n_elements * type_size // block_size
+    n_bytes = n_elements * type_size // block
     shape = tuple(reversed(dims))
     if start + n_bytes > len(mapped):
         raise ValueError(f"tensor {name!r}: its tensor data runs past the end of the file "
                          f"({start + n_bytes} > {len(mapped)} bytes)")
-    plain = _PLAIN_TENSORS.get(ggml_type)
+    plain = _PLAIN_TENSORS.get(type_id)
     if plain is not None:
         dtype, count = np.dtype(order + plain), n_elements
     else:
+        if shape and shape[-1] % block:
+            raise ValueError(f"tensor {name!r}: its rows of {shape[-1]} elements are not whole "
+                             f"blocks of {block}")
         dtype, count = np.dtype(np.uint8), n_bytes
-        shape = quant_shape_to_byte_shape(shape, ggml_type)
+        shape = (*shape[:-1], shape[-1] // block * type_size) if shape else shape
     data = np.frombuffer(mapped, dtype, count, start).reshape(shape)
-    return HeaderTensor(name=name, tensor_type=ggml_type, shape=np.array(dims, np.uint64),
+    return HeaderTensor(name=name, tensor_type=type_id, shape=np.array(dims, np.uint64),
                         n_elements=n_elements, n_bytes=n_bytes, data_offset=start, data=data)
