@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from jllama.formats import ggml_quants as gq
+from jllama.ggml_repack import X8, base_type, can_repack, repack, unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class GGMLMatrix:
     cols: int
 
     def __post_init__(self):
-        expected = gq.row_nbytes(self.type_id, self.cols)
+        expected = gq.row_nbytes(base_type(self.type_id), self.cols)
         if self.data.shape[-1:] != (expected,):
             raise ValueError(
                 f"{gq.type_name(self.type_id)} rows of {self.cols} elements take {expected} "
@@ -64,8 +65,17 @@ class GGMLMatrix:
 
     @property
     def type_name(self) -> str:
-        """ggml's name of the type, e.g. "Q4_K"."""
-        return gq.type_name(self.type_id)
+        """ggml's name of the type, e.g. "Q4_K" (also for its x8 layout)."""
+        return gq.type_name(base_type(self.type_id))
+
+    @property
+    def repacked(self) -> bool:
+        """Whether the blocks are in an x8 layout (`jllama.ggml_repack`)."""
+        return self.type_id >= X8
+
+    def stored_data(self) -> np.ndarray:
+        """The blocks in ggml's own layout (unpacked from x8 if need be)."""
+        return unpack(np.asarray(self.data), self.type_id) if self.repacked else np.asarray(self.data)
 
     @property
     def nbytes(self) -> int:
@@ -82,12 +92,12 @@ class GGMLMatrix:
     def rows(self, index) -> np.ndarray:
         """Rows of the (2-D) matrix dequantized: f32[cols] for an int index, f32[k, cols] for k
         indices."""
-        data = np.asarray(self.data)[index]
-        return gq.dequantize(data, self.type_id, (*data.shape[:-1], self.cols))
+        data = self.stored_data()[index]
+        return gq.dequantize(data, base_type(self.type_id), (*data.shape[:-1], self.cols))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         """The dequantized matrix, f32[..., rows, cols] (a new array, ggml's exact values)."""
-        out = gq.dequantize(np.asarray(self.data), self.type_id, self.shape)
+        out = gq.dequantize(self.stored_data(), base_type(self.type_id), self.shape)
         return out if dtype is None else out.astype(dtype)
 
 
@@ -123,6 +133,62 @@ class RowStack:
 
 
 jax.tree_util.register_dataclass(RowStack, data_fields=["parts"], meta_fields=[])
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """One weight of every layer, each layer's matrix in its own type (a Q4_K_M file stores
+    ffn_down as Q4_K in some layers and Q6_K in others): `TransformerWeights`' layer-stacked
+    field for GGML weights. `stack[l]` is layer l's matrix.
+
+    Attributes:
+      layers: a `GGMLMatrix` [rows, cols] per layer, all of one shape.
+    """
+
+    layers: tuple[GGMLMatrix, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.layers), *self.layers[0].shape)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.layers)
+
+    @property
+    def type_names(self) -> set[str]:
+        return {m.type_name for m in self.layers}
+
+    def __getitem__(self, layer: int) -> GGMLMatrix:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.stack([np.asarray(m) for m in self.layers])
+        return out if dtype is None else out.astype(dtype)
+
+
+jax.tree_util.register_dataclass(LayerStack, data_fields=["layers"], meta_fields=[])
+
+
+def type_names(m) -> set[str]:
+    """The ggml type names a GGMLMatrix, RowStack or LayerStack holds."""
+    if isinstance(m, GGMLMatrix):
+        return {m.type_name}
+    if isinstance(m, RowStack):
+        return {p.type_name for p in m.parts}
+    return set(m.type_names)
+
+
+def is_ggml(m) -> bool:
+    """Whether m is GGML blocks (a GGMLMatrix, RowStack or LayerStack)."""
+    return isinstance(m, (GGMLMatrix, RowStack, LayerStack))
+
 
 MAX_PARTS = 4
 """The most parts one kernel call takes (matvec.cc's kMaxParts)."""
@@ -249,11 +315,27 @@ def for_xla(m):
     Anything else is returned as it is."""
     from jllama.quant import Int8Matrix
 
-    if isinstance(m, RowStack):
-        return np.concatenate([np.asarray(p) for p in m.parts], axis=0)
+    if isinstance(m, (RowStack, LayerStack)):
+        return np.asarray(m)
     if not isinstance(m, GGMLMatrix):
         return m
-    if m.type_id in (gq.Q8_0, gq.Q4_0):
-        q, scale = gq.int8_groups(np.asarray(m.data), m.type_id, m.shape)
+    if base_type(m.type_id) in (gq.Q8_0, gq.Q4_0):
+        q, scale = gq.int8_groups(m.stored_data(), base_type(m.type_id), m.shape)
         return Int8Matrix(q=q, scale=scale)
     return np.asarray(m)
+
+
+def repacked(m):
+    """A GGMLMatrix (or the parts of a RowStack) in its x8 layout (`jllama.ggml_repack`) where
+    it has one: every part's type among `ggml_repack.TYPES` and rows a multiple of 8; a
+    RowStack only when all of its parts do (one kernel call runs them in groups of 8 rows).
+    Anything else is returned as it is."""
+    if isinstance(m, GGMLMatrix):
+        if not m.repacked and can_repack(m.type_id, m.shape[-2]) and m.data.ndim == 2:
+            return GGMLMatrix(repack(np.asarray(m.data), m.type_id), m.type_id + X8, m.cols)
+        return m
+    if isinstance(m, RowStack):
+        if all(not p.repacked and can_repack(p.type_id, p.shape[0]) for p in m.parts):
+            return RowStack(tuple(repacked(p) for p in m.parts))
+        return m
+    return m

@@ -63,6 +63,14 @@ struct Layout {
   int64_t elements, bytes;
 };
 inline Layout layout(int32_t type) {
+  if (type >= 256) {  // an x8 layout (ggml_x8.h): the same blocks, eight rows repacked
+    switch (type - 256) {
+      case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K:
+        return layout(type - 256);
+      default:
+        return {0, 0};
+    }
+  }
   switch (type) {
     case F32: return {1, 4};
     case F16: return {1, 2};
@@ -83,6 +91,9 @@ inline Layout layout(int32_t type) {
 
 // Whether a type's products run on quantized activations (every type but the float ones).
 inline bool integer_type(int32_t type) { return type != F32 && type != F16 && type != BF16; }
+
+// Whether a type id is an x8 layout (ggml_x8.h).
+inline bool x8_type(int32_t type) { return type >= 256; }
 
 // IEEE float16 -> float32, exact.
 inline float fp16(uint16_t h) {

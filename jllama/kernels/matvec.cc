@@ -55,6 +55,7 @@
 #include "xla/ffi/api/ffi.h"
 
 #include "ggml_dot.h"
+#include "ggml_x8.h"
 
 namespace ffi = xla::ffi;
 
@@ -75,6 +76,14 @@ using S32Result = ffi::ResultBuffer<ffi::S32, 0>;
 namespace {
 
 constexpr int kLanes = 64;
+// Floats per vector register of this build's explicit loops (`jllama_vector_width`).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr int kVectorWidth = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kVectorWidth = 8;
+#else
+constexpr int kVectorWidth = 1;
+#endif
 // Below this many weights a product runs on the calling thread alone: scheduling a task costs
 // a few microseconds, more than such a product takes.
 constexpr int64_t kMinParallelWeights = 1 << 16;
@@ -238,19 +247,30 @@ inline float dot_head(const float* a, const float* b, int64_t n) {
 // in its slow minutes, memory-bound either way, the same.
 constexpr int kStreamAhead = 8192;
 
-// Asks for the weights `kStreamAhead` bytes past w with the non-temporal hint. On this
-// project's AMD machine (L3 a victim cache of L2) streaming a product's weights that way ran
-// 8-14% more bytes per second than plain loads (bench/NOTES.md): the lines are used once per
-// token and do not go through L3 on their way out. A prefetch never faults, so reading past the
-// matrix's end is harmless.
-template <typename T>
-inline void stream_ahead(const T* w) {
-#if defined(__x86_64__) || defined(_M_X64)
-  const char* p = reinterpret_cast<const char*>(w) + kStreamAhead;
-  for (int b = 0; b < static_cast<int>(kLanes * sizeof(T)); b += 64)
-    _mm_prefetch(p + b, _MM_HINT_NTA);
+// Whether streaming products ask for their weights ahead with non-temporal prefetches
+// (`library.flags` sets it from the CPU's vendor, `$JLLAMA_PREFETCH` overrides): 1 on AMD, where
+// L3 is a victim cache of L2 and streaming a product's weights that way ran 8-14% more bytes
+// per second than plain loads (bench/NOTES.md: the lines are used once per token and do not
+// go through L3 on their way out); 0 on Intel, where two threads read 26.6 GB/s with plain
+// loads and 10.4 with these prefetches (bench/stream_read.cc on a 2-core Sapphire Rapids VM,
+// 2 MiB pages, 2026-12-01): its own prefetchers do better there.
+#ifndef JLLAMA_PREFETCH
+#define JLLAMA_PREFETCH 1
+#endif
+
+// Asks for the `bytes` bytes `kStreamAhead` past p with the non-temporal hint (when
+// JLLAMA_PREFETCH). A prefetch never faults, so reading past a matrix's end is harmless.
+inline void prefetch_stream(const void* p, int64_t bytes) {
+#if JLLAMA_PREFETCH && (defined(__x86_64__) || defined(_M_X64))
+  const char* q = static_cast<const char*>(p) + kStreamAhead;
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(q + b, _MM_HINT_NTA);
+#else
+  (void)p, (void)bytes;
 #endif
 }
+
+template <typename T>
+inline void stream_ahead(const T* w) { prefetch_stream(w, kLanes * sizeof(T)); }
 
 // sum_j w[j] * x[j] in the 64-lane order above; T: float, uint16_t (bfloat16) or int8_t.
 // Stream: prefetch the weights ahead (`stream_ahead`); the sum is the same either way.
@@ -754,6 +774,7 @@ struct GgmlPart {
 struct GgmlProduct {
   GgmlPart parts[kMaxParts];
   int n_parts;
+  int64_t unit;  // rows per unit of work: 8 when a part is in an x8 layout (a group), else 1
   int64_t n;
   const float* x;       // f32[n], after the prologue
   ggml::Activations qx;  // x quantized, when a part has an integer type
@@ -772,19 +793,38 @@ void ggml_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_
     } else if constexpr (T == ggml::BF16) {
       g.y[r] = dot<uint16_t, Stream>(reinterpret_cast<const uint16_t*>(row), g.x, g.n);
     } else {
-#if defined(__x86_64__) || defined(_M_X64)
-      if (Stream)
-        for (int64_t b = 0; b < part.row_bytes; b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(row) + kStreamAhead + b, _MM_HINT_NTA);
-#endif
+      if (Stream) prefetch_stream(row, part.row_bytes);
       g.y[r] = ggml::row_dot<T>(row, g.qx);
     }
   }
 }
 
+// Groups of 8 rows in an x8 layout: rows [begin, end), both multiples of 8.
+template <int32_t T, bool Stream>
+void ggml_groups(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_t end) {
+#if JLLAMA_Q_AVX2
+  const uint8_t* rows = part.data - part.first * part.row_bytes;
+  const int64_t group_bytes = 8 * part.row_bytes;
+  for (int64_t r = begin; r < end; r += 8) {
+    const uint8_t* group = rows + r * part.row_bytes;
+    if (Stream) prefetch_stream(group, group_bytes);
+    ggml::x8_dot<T>(group, g.qx, g.y + r);
+  }
+#endif
+}
+
 template <bool Stream>
 void ggml_part_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_t end) {
+  constexpr int32_t X = ggml::kX8;
   switch (part.type) {
+    case X + ggml::Q8_0: return ggml_groups<ggml::Q8_0, Stream>(g, part, begin, end);
+    case X + ggml::Q4_0: return ggml_groups<ggml::Q4_0, Stream>(g, part, begin, end);
+    case X + ggml::Q4_1: return ggml_groups<ggml::Q4_1, Stream>(g, part, begin, end);
+    case X + ggml::Q5_0: return ggml_groups<ggml::Q5_0, Stream>(g, part, begin, end);
+    case X + ggml::Q5_1: return ggml_groups<ggml::Q5_1, Stream>(g, part, begin, end);
+    case X + ggml::Q4_K: return ggml_groups<ggml::Q4_K, Stream>(g, part, begin, end);
+    case X + ggml::Q5_K: return ggml_groups<ggml::Q5_K, Stream>(g, part, begin, end);
+    case X + ggml::Q6_K: return ggml_groups<ggml::Q6_K, Stream>(g, part, begin, end);
     case ggml::F32: return ggml_rows<ggml::F32, Stream>(g, part, begin, end);
     case ggml::F16: return ggml_rows<ggml::F16, Stream>(g, part, begin, end);
     case ggml::BF16: return ggml_rows<ggml::BF16, Stream>(g, part, begin, end);
@@ -804,6 +844,7 @@ void ggml_part_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, i
 
 void rows_ggml(const Product& p, int64_t begin, int64_t end) {
   const GgmlProduct& g = *static_cast<const GgmlProduct*>(p.w);
+  begin *= g.unit, end *= g.unit;
   for (int k = 0; k < g.n_parts; ++k) {
     const GgmlPart& part = g.parts[k];
     const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
@@ -834,6 +875,9 @@ ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, 
     const int64_t rows = w->dimensions()[0], row_bytes = n / layout.elements * layout.bytes;
     if (w->dimensions()[1] != row_bytes)
       return ffi::Error::InvalidArgument("jllama matvec_ggml: a part's rows are not x's length");
+    if (ggml::x8_type(types[k]) && (rows % 8 != 0 || *m % 8 != 0 || kVectorWidth < 8))
+      return ffi::Error::InvalidArgument(
+          "jllama matvec_ggml: an x8 part needs rows a multiple of 8 and an AVX2 build");
     g.parts[k] = GgmlPart{w->typed_data(), *m, rows, row_bytes, types[k]};
     *m += rows;
     *bytes += rows * row_bytes;
@@ -866,10 +910,18 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
   }
   g.n = n;
   g.y = y->typed_data();
+  g.unit = 1;
+  for (int k = 0; k < g.n_parts; ++k)
+    if (ggml::x8_type(g.parts[k].type)) g.unit = 8;
+  if (g.unit == 8)
+    for (int k = 0; k < g.n_parts; ++k)
+      if (g.parts[k].rows % 8 != 0)
+        return ffi::Error::InvalidArgument(
+            "jllama matvec_ggml: with an x8 part, every part's rows must be a multiple of 8");
   // `run` sizes its blocks and decides to split by weights per row: a byte of a quantized row
   // costs about what a float32 weight does (decoding it is most of the work).
-  const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m));
-  run(pool, Product{rows_ggml, &g, nullptr, nullptr, g.y, cost}, m);
+  const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m)) * g.unit;
+  run(pool, Product{rows_ggml, &g, nullptr, nullptr, g.y, cost}, m / g.unit);
   if (add != nullptr)
     for (int64_t i = 0; i < m; ++i) g.y[i] = add[i] + g.y[i];
   return ffi::Error::Success();
@@ -877,14 +929,33 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
 
 // Parts dequantized to float32 (`ggml::dequantize_row`, ggml's exact values), y: f32[m, n]: the
 // prefill chunk products multiply it with XLA's matrix product.
+// Row `r` of a part dequantized into out: f32[n] (an x8 part's row gathered from its tile first).
+void dequantize_part_row(const GgmlPart& part, int64_t r, int64_t n, float* out,
+                         std::unique_ptr<uint8_t[]>& row, std::unique_ptr<int32_t[]>& pos) {
+  const int64_t local = r - part.first;
+  if (!ggml::x8_type(part.type)) {
+    ggml::dequantize_row(part.type, part.data + local * part.row_bytes, out, n);
+    return;
+  }
+  const int32_t base = part.type - ggml::kX8;
+  if (!pos) {
+    pos.reset(new int32_t[8 * ggml::layout(base).bytes]);
+    ggml::x8_positions(base, pos.get());
+    row.reset(new uint8_t[part.row_bytes]);
+  }
+  ggml::x8_row(base, part.data + (local - local % 8) * part.row_bytes, static_cast<int>(local % 8),
+               n, pos.get(), row.get());
+  ggml::dequantize_row(base, row.get(), out, n);
+}
+
 void rows_dequantize(const Product& p, int64_t begin, int64_t end) {
   const GgmlProduct& g = *static_cast<const GgmlProduct*>(p.w);
   for (int k = 0; k < g.n_parts; ++k) {
     const GgmlPart& part = g.parts[k];
     const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
-    for (int64_t r = lo; r < hi; ++r)
-      ggml::dequantize_row(part.type, part.data + (r - part.first) * part.row_bytes, g.y + r * g.n,
-                           g.n);
+    std::unique_ptr<uint8_t[]> row;
+    std::unique_ptr<int32_t[]> pos;
+    for (int64_t r = lo; r < hi; ++r) dequantize_part_row(part, r, g.n, g.y + r * g.n, row, pos);
   }
 }
 
@@ -916,10 +987,15 @@ ffi::Error RowsGgml(U8Matrix table, S32Vector index, F32MatrixResult y,
     return ffi::Error::InvalidArgument("jllama rows_ggml: table u8[V, row_bytes] and y f32[k, n] "
                                        "do not agree with the type");
   const int64_t row_bytes = table.dimensions()[1];
+  if (ggml::x8_type(type) && vocab % 8 != 0)
+    return ffi::Error::InvalidArgument("jllama rows_ggml: an x8 table needs rows a multiple of 8");
+  const GgmlPart part{table.typed_data(), 0, vocab, row_bytes, type};
+  std::unique_ptr<uint8_t[]> row;
+  std::unique_ptr<int32_t[]> pos;
   for (int64_t i = 0; i < k; ++i) {
     const int64_t r = index.typed_data()[i];
     if (r < 0 || r >= vocab) return ffi::Error::InvalidArgument("jllama rows_ggml: index out of range");
-    ggml::dequantize_row(type, table.typed_data() + r * row_bytes, y->typed_data() + i * n, n);
+    dequantize_part_row(part, r, n, y->typed_data() + i * n, row, pos);
   }
   return ffi::Error::Success();
 }
@@ -1529,6 +1605,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_argmax_f32, ArgmaxF32,
 // The prefill attention kernel beats XLA's only with explicit loops: the plain ones with
 // std::exp ran 5-8x slower than XLA on this project's machine (bench/NOTES.md), so
 // jllama.kernels uses it only where this says 8 or more.
+// The x8 layout of a ggml type as `ggml::x8_positions` builds it (the tests compare it with
+// jllama.ggml_repack's): pos int32[8 * block bytes]. Returns 0, or -1 for a type without one.
+extern "C" int jllama_x8_positions(int32_t type, int32_t* pos) {
+  if (!ggml::has_x8(type)) return -1;
+  ggml::x8_positions(type, pos);
+  return 0;
+}
+
 extern "C" int jllama_vector_width() {
 #if JLLAMA_AVX512
   return 16;
