@@ -192,7 +192,8 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
     if is_gguf(path) or (path.suffix.lower() == ".gguf" and path.is_file()):
         _refuse_tokenizer(tokenizer, path, "GGUF file")
         try:
-            g = read_gguf(path, seq_len=seq_len, int8=dtype == "int8")
+            # Blocks as stored unless a float dtype was asked for (then dequantized once, here).
+            g = read_gguf(path, seq_len=seq_len, stored=dtype not in ("float32", "bfloat16"))
         except CheckpointError as e:
             name = os.fspath(checkpoint)
             if name in KNOWN_MODELS and path == cached_path(name):

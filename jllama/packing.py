@@ -16,6 +16,7 @@ import mmap
 
 import numpy as np
 
+from jllama.ggml_matrix import GGMLMatrix, RowStack
 from jllama.quant import Int8Matrix
 from jllama.weights import LayerWeights
 
@@ -29,10 +30,29 @@ DECODE_ORDER = ("wqkv", "wo", "w1", "w3", "w2")
 """A layer's matrices in the order a decode step reads them (then the next layer's, then wcls)."""
 
 
-def _streamed(matrix):
-    """The array a product streams: the matrix itself, or an `Int8Matrix`'s int8 values (its
-    per-row or per-group scales are small and stay where they are)."""
-    return matrix.q if isinstance(matrix, Int8Matrix) else matrix
+def _streamed(matrix) -> list[np.ndarray]:
+    """The arrays a product streams: the matrix itself, an `Int8Matrix`'s int8 values (its
+    per-row or per-group scales are small and stay where they are), or the blocks of GGML
+    matrices (`jllama.ggml_matrix`; a RowStack's parts in order)."""
+    if isinstance(matrix, Int8Matrix):
+        return [matrix.q]
+    if isinstance(matrix, GGMLMatrix):
+        return [matrix.data]
+    if isinstance(matrix, RowStack):
+        return [p.data for p in matrix.parts]
+    return [matrix]
+
+
+def _rebuilt(matrix, views: list[np.ndarray]):
+    """`matrix` with its streamed arrays replaced by `views` (same shapes and dtypes)."""
+    if isinstance(matrix, Int8Matrix):
+        return Int8Matrix(q=views[0], scale=matrix.scale)
+    if isinstance(matrix, GGMLMatrix):
+        return GGMLMatrix(views[0], matrix.type_id, matrix.cols)
+    if isinstance(matrix, RowStack):
+        return RowStack(tuple(GGMLMatrix(v, p.type_id, p.cols)
+                              for p, v in zip(matrix.parts, views, strict=True)))
+    return views[0]
 
 
 def _padded(nbytes: int) -> int:
@@ -70,7 +90,7 @@ def pack_in_decode_order(
 
     Args:
       layers: per-layer weights on the host (`jllama.weights.to_graph_weights`); matrices
-        float32, bfloat16 or `Int8Matrix`.
+        float32, bfloat16, `Int8Matrix` or GGML blocks (`jllama.ggml_matrix`).
       wcls: the classifier [vocab_size, dim], same kinds.
       huge_pages: place the buffer on transparent huge pages where Linux offers them
         (`host_buffer`).
@@ -81,22 +101,23 @@ def pack_in_decode_order(
       of padding each); the inputs are not changed.
     """
     order = [getattr(layer, name) for layer in layers for name in DECODE_ORDER] + [wcls]
-    arrays = [np.ascontiguousarray(_streamed(m)) for m in order]
-    buffer = host_buffer(sum(_padded(a.nbytes) for a in arrays), huge_pages=huge_pages)
+    streamed = [[np.ascontiguousarray(a) for a in _streamed(m)] for m in order]
+    total = sum(_padded(a.nbytes) for arrays in streamed for a in arrays)
+    buffer = host_buffer(total, huge_pages=huge_pages)
     offset = 0
     placed = []
-    for a in arrays:
-        view = buffer[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape)
-        view[...] = a
-        placed.append(view)
-        offset += _padded(a.nbytes)
-
-    def like(matrix, view):
-        return Int8Matrix(q=view, scale=matrix.scale) if isinstance(matrix, Int8Matrix) else view
+    for arrays in streamed:
+        views = []
+        for a in arrays:
+            view = buffer[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape)
+            view[...] = a
+            views.append(view)
+            offset += _padded(a.nbytes)
+        placed.append(views)
 
     it = iter(zip(order, placed, strict=True))
     packed = tuple(
-        dataclasses.replace(layer, **{name: like(*next(it)) for name in DECODE_ORDER})
+        dataclasses.replace(layer, **{name: _rebuilt(*next(it)) for name in DECODE_ORDER})
         for layer in layers
     )
-    return packed, like(*next(it))
+    return packed, _rebuilt(*next(it))

@@ -164,6 +164,10 @@ def concatenate_rows(matrices: list[Int8Matrix]) -> Int8Matrix:
 def embedding_rows(table, tokens) -> np.ndarray:
     """Rows of an embedding table as float32: `table[tokens]` for a float table, dequantized
     for an `Int8Matrix`. tokens: an int or int array; returns f32[dim] or f32[n, dim]."""
+    from jllama.ggml_matrix import GGMLMatrix
+
     if isinstance(table, Int8Matrix):
         return dequantize(table[tokens])
+    if isinstance(table, GGMLMatrix):
+        return table.rows(tokens)
     return np.asarray(table[tokens], dtype=np.float32)

@@ -106,18 +106,37 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> T
     return TransformerWeights(**arrays)
 
 
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "int8", "q4")
 """Weight dtypes a model can be held in (`cast_weights`, the CLI's --dtype). int8 is
-`jllama.quant.Int8Matrix`: int8 values with one float32 scale per row."""
+`jllama.quant.Int8Matrix`: int8 values with one float32 scale per row (GGML weights: Q8_0
+blocks); q4 is GGML's Q4_0 blocks (`jllama.ggml_matrix`)."""
+
+Q4_TYPE = 2
+"""The GGML type --dtype=q4 quantizes to (ggml_quants.Q4_0)."""
+
+Q4_KEEP = frozenset({2, 3, 10, 11, 12})
+"""GGML types --dtype=q4 keeps as they are: 4.5 bits a weight or fewer (Q4_0, Q4_1, Q2_K,
+Q3_K, Q4_K)."""
 
 _MATRICES = ("token_embedding_table", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wcls")
 
 
+def matrix_kinds(matrix) -> set[str]:
+    """What a weight matrix is held as: {"float32"}, {"bfloat16"}, {"int8"} (`Int8Matrix`), or
+    the GGML types of its blocks, e.g. {"Q4_K", "Q6_K"}."""
+    from jllama.ggml_matrix import is_ggml, type_names
+
+    if is_ggml(matrix):
+        return type_names(matrix)
+    return {np.dtype(matrix.dtype).name}
+
+
 def weights_dtype(weights: TransformerWeights) -> str:
-    """The dtype name of the weight matrices ("float32", "bfloat16", ...; "mixed" if they
-    differ). RMSNorm gains are float32 in every layout and do not count."""
-    names = {np.dtype(getattr(weights, f).dtype).name for f in _MATRICES}
-    return names.pop() if len(names) == 1 else "mixed"
+    """The dtype name of the weight matrices ("float32", "bfloat16", "int8", or GGML types such
+    as "Q4_K" or "Q4_K+Q5_0+Q6_K+Q8_0" when several are held). RMSNorm gains are float32 in
+    every layout and do not count."""
+    names = set().union(*(matrix_kinds(getattr(weights, f)) for f in _MATRICES))
+    return "+".join(sorted(names))
 
 
 def weights_nbytes(weights: TransformerWeights) -> int:
@@ -132,41 +151,81 @@ def weights_nbytes(weights: TransformerWeights) -> int:
 
 
 def cast_weights(weights: TransformerWeights, dtype: str) -> TransformerWeights:
-    """The weight matrices converted to `dtype` ("float32", "bfloat16" or "int8"); RMSNorm
-    gains stay float32. A shared classifier stays the same array as the embedding. Arrays
-    already of `dtype` are kept (no copy).
+    """The weight matrices converted to `dtype` ("float32", "bfloat16", "int8" or "q4");
+    RMSNorm gains stay float32. A shared classifier stays the same array as the embedding.
+    Arrays already of `dtype` are kept (no copy).
 
     Widening bfloat16 to float32 is exact; narrowing rounds to nearest even (as
-    `ml_dtypes.bfloat16` and torch's `.to(torch.bfloat16)` do). "int8" quantizes each matrix
-    row by row (`jllama.quant.quantize_int8`: error at most half a row's step); int8 to a float
-    dtype dequantizes.
+    `ml_dtypes.bfloat16` and torch's `.to(torch.bfloat16)` do). GGML blocks
+    (`jllama.ggml_matrix`) to a float dtype dequantize exactly.
+
+    "int8": a float matrix is quantized row by row (`jllama.quant.quantize_int8`: error at most
+    half a row's step); a GGML one becomes Q8_0 blocks (a GGUF's Q8_0 as stored, Q4_0 exactly,
+    other types quantized from their exact values by ggml's reference Q8_0 quantizer,
+    `jllama.ggml_matrix.quantize`). int8 to a float dtype dequantizes.
+
+    "q4": every matrix becomes Q4_0 blocks (`Q4_TYPE`, ggml's reference quantizer), except GGML
+    types of 4.5 bits a weight or fewer (`Q4_KEEP`), which stay as stored, and matrices whose
+    rows are not a multiple of 32 long, which stay as they are (llama.cpp's fallback for such
+    tensors).
 
     Raises:
       ConfigError: an unknown dtype name.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
-    import ml_dtypes
-
-    from jllama.quant import quantize_int8
-
-    target = {
-        "float32": np.dtype(np.float32),
-        "bfloat16": np.dtype(ml_dtypes.bfloat16),
-        "int8": np.dtype(np.int8),
-    }[dtype]
     shared = weights.wcls is weights.token_embedding_table
     changes = {}
     for name in _MATRICES:
+        if name == "wcls" and shared:
+            continue
         array = getattr(weights, name)
-        if array.dtype != target and not (name == "wcls" and shared):
-            if dtype == "int8":
-                changes[name] = quantize_int8(array)
-            else:
-                changes[name] = np.asarray(array).astype(target)
+        changed = _cast_matrix(array, dtype)
+        if changed is not array:
+            changes[name] = changed
     if shared and "token_embedding_table" in changes:
         changes["wcls"] = changes["token_embedding_table"]
     return dataclasses.replace(weights, **changes) if changes else weights
+
+
+def _cast_matrix(array, dtype: str):
+    """One weight matrix (or layer stack) in `dtype` (rules in `cast_weights`); the same object
+    when it already is."""
+    import ml_dtypes
+
+    from jllama.formats import ggml_quants as gq
+    from jllama.ggml_matrix import GGMLMatrix, LayerStack, is_ggml, q4_0_as_q8_0, quantize
+    from jllama.quant import quantize_int8
+
+    kinds = matrix_kinds(array)
+    if dtype in ("float32", "bfloat16"):
+        if kinds == {dtype}:
+            return array
+        target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+        return np.asarray(array).astype(target)
+
+    def blocks(m, type_id, keep):
+        """A GGMLMatrix (or float matrix) as blocks of `type_id`, types in `keep` as they are;
+        rows whose length is not a multiple of 32 stay as they are."""
+        if isinstance(m, GGMLMatrix) and m.type_id in keep:
+            return m
+        if isinstance(m, GGMLMatrix) and m.type_id == gq.Q4_0 and type_id == gq.Q8_0:
+            return q4_0_as_q8_0(m)  # exact
+        if m.shape[-1] % 32:
+            return m
+        return quantize(np.asarray(m, dtype=np.float32), type_id)
+
+    if dtype == "int8":
+        if not is_ggml(array):
+            return array if kinds == {"int8"} else quantize_int8(array)
+        keep = {gq.Q8_0}
+        if isinstance(array, LayerStack):
+            return LayerStack(tuple(blocks(m, gq.Q8_0, keep) for m in array.layers))
+        return blocks(array, gq.Q8_0, keep)
+    # q4
+    if isinstance(array, LayerStack):
+        return LayerStack(tuple(blocks(m, Q4_TYPE, Q4_KEEP) for m in array.layers))
+    return blocks(array, Q4_TYPE, Q4_KEEP)
 
 
 @jax.tree_util.register_dataclass
@@ -243,10 +302,13 @@ def to_graph_weights(weights: TransformerWeights) -> GraphWeights:
 
 
 def _stack_rows(matrices):
+    from jllama.ggml_matrix import from_float, is_ggml, stack_rows
     from jllama.quant import Int8Matrix, concatenate_rows
 
     if all(isinstance(m, Int8Matrix) for m in matrices):
         return concatenate_rows(matrices)
+    if any(is_ggml(m) for m in matrices):
+        return stack_rows([m if is_ggml(m) else from_float(m) for m in matrices])
     return np.concatenate([np.asarray(m) for m in matrices], axis=0)
 
 

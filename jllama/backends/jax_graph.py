@@ -14,6 +14,7 @@ its KV heads' caches; `jllama.graphs.sharded`: the programs with their output la
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -28,6 +29,7 @@ from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
 from jllama import kernels
 from jllama.errors import BackendError
+from jllama.ggml_matrix import for_xla, is_ggml, repacked
 from jllama.quant import embedding_rows
 from jllama.packing import pack_in_decode_order
 from jllama.rope import rope_cos_sin, rope_frequencies
@@ -170,6 +172,20 @@ class JaxGraphBackend:
         self.config = config
         self.matvec = self._resolve_matvec(self.matvec)
         host = to_graph_weights(weights)
+        self._shared_embedding = host.token_embedding_table is host.wcls
+        if self.matvec != "kernel":
+            # XLA's products cannot read GGML blocks: Q8_0 / Q4_0 become grouped int8 (exact),
+            # other types float32 (`jllama.ggml_matrix.for_xla`).
+            host = jax.tree_util.tree_map(for_xla, host, is_leaf=is_ggml)
+        elif kernels.vector_width() >= 8:
+            # GGML blocks eight rows at a time where the kernels have that path (AVX2 or
+            # AVX-512): the same bytes, 2-3x faster products (`jllama.ggml_repack`). The host's
+            # embedding table stays as stored (it is only read a row at a time).
+            table = host.token_embedding_table
+            host = dataclasses.replace(
+                jax.tree_util.tree_map(repacked, host, is_leaf=is_ggml),
+                token_embedding_table=table,
+            )
         # The embedding table stays on the host: one row per token is all a step needs.
         self.token_embedding_table = host.token_embedding_table
         self._host_wcls = host.wcls
@@ -427,7 +443,7 @@ class JaxGraphBackend:
         k = graphs.attention_blocks(config.seq_len, pos + n - 1)
         cur = pos // self.block_length
         if self._loop_embedding is None:
-            shared = self.token_embedding_table is self._host_wcls
+            shared = self._shared_embedding
             if shared:
                 self._loop_embedding = self.wcls
             elif self.tensor_parallel is None:

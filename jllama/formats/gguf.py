@@ -58,7 +58,6 @@ from jllama.config import ModelConfig, RopeScaling
 from jllama.errors import CheckpointError, ConfigError, TokenizerError
 from jllama.files import require_regular_file
 from jllama.formats import ggml_quants
-from jllama.quant import Int8Matrix
 from jllama.weights import TransformerWeights, expected_shapes
 
 _MATRIX_FIELDS = frozenset(
@@ -343,21 +342,23 @@ def _tensor_target(name: str, n_layers: int) -> tuple[str, int | None] | None:
 
 
 def read_gguf(
-    path: str | os.PathLike, seq_len: int | None = None, int8: bool = False
+    path: str | os.PathLike, seq_len: int | None = None, stored: bool = False
 ) -> GGUFModel:
-    """Read a llama-architecture GGUF file: config, f32 weights, tokenizer, chat template.
+    """Read a llama-architecture GGUF file: config, weights, tokenizer, chat template.
 
     Args:
       path: the .gguf file.
       seq_len: cap on the context the KV cache is sized for (tokens); None = the model's
         `llama.context_length`.
-      int8: keep each weight matrix whose tensors are all Q8_0 or Q4_0 as a
-        `jllama.quant.Int8Matrix` with one scale per 32 weights (exactly the file's values;
-        `ggml_quants.int8_groups`) instead of dequantizing it (`--dtype=int8`).
+      stored: keep the weights as the file stores them: each quantized (and F16) weight matrix
+        as GGML blocks, `jllama.ggml_matrix.GGMLMatrix` (a [vocab_size, dim] table) or
+        `LayerStack` (a matrix per layer, each in its own type), views of the memory-mapped
+        file, nothing converted; BF16 as bfloat16, F32 as float32. False: every tensor
+        dequantized to float32.
 
     Returns:
       a `GGUFModel`. Quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
-      Q6_K) and F16/BF16 are dequantized to float32 block by block, exactly as ggml's
+      Q6_K) and F16/BF16 read to float32 are dequantized block by block, exactly as ggml's
       reference dequantizers; other types (IQ*, TQ*, MXFP4 ...) are refused.
 
     Raises:
@@ -399,24 +400,8 @@ def read_gguf(
     if not shared:
         config = dataclasses.replace(config, shared_weights=False)
     shapes = expected_shapes(config)
-    grouped: set[str] = set()
-    if int8:
-        types: dict[str, set[int]] = {}
-        for tensor, (field, _) in tensors.values():
-            types.setdefault(field, set()).add(int(tensor.tensor_type))
-        grouped = {f for f, t in types.items()
-                   if f in _MATRIX_FIELDS and t <= ggml_quants.INT8_GROUP_TYPES}
-    arrays: dict[str, np.ndarray] = {}
-    scales: dict[str, np.ndarray] = {}
-    for field, shape in shapes.items():
-        if field == "wcls" and shared:
-            continue
-        if field in grouped:
-            arrays[field] = np.empty(shape, np.int8)
-            scales[field] = np.empty((*shape[:-1], shape[-1] // 32), np.float32)
-        else:
-            arrays[field] = np.empty(shape, np.float32)
-    filled: set[tuple[str, int | None]] = set()
+    # Per field: the tensor of each layer (or the one global tensor, at key None).
+    by_field: dict[str, dict[int | None, Any]] = {}
     tensor_types = {}
     for name, (tensor, (field, layer)) in tensors.items():
         want = shapes[field] if layer is None else shapes[field][1:]
@@ -428,19 +413,13 @@ def read_gguf(
             )
         type_id = int(tensor.tensor_type)
         tensor_types[name] = ggml_quants.type_name(type_id)
-        try:
-            if field in grouped:
-                values, scale = ggml_quants.int8_groups(tensor.data, type_id, want)
-                scales[field][... if layer is None else layer] = scale
-            else:
-                values = ggml_quants.dequantize(tensor.data, type_id, want)
+        try:  # the block-size and byte-count checks, for every type
+            ggml_quants.block_layout(type_id)
+            ggml_quants.row_nbytes(type_id, want[-1])
         except CheckpointError as e:
             raise CheckpointError(f"{source}: tensor {name!r}: {e}") from None
-        if layer is None:
-            arrays[field][...] = values
-        else:
-            arrays[field][layer] = values
-        filled.add((field, layer))
+        by_field.setdefault(field, {})[layer] = (name, tensor, type_id, want)
+    filled = {(field, layer) for field, layers in by_field.items() for layer in layers}
 
     missing = []
     for field in shapes:
@@ -453,8 +432,8 @@ def read_gguf(
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"{source}: missing tensor {', '.join(missing[:3])}{more}")
-    for field in grouped:
-        arrays[field] = Int8Matrix(q=arrays[field], scale=scales[field])
+    arrays = {field: _field_array(field, layers, shapes[field], stored, source)
+              for field, layers in by_field.items()}
     if shared:
         arrays["wcls"] = arrays["token_embedding_table"]
     template = meta.get("tokenizer.chat_template")
@@ -468,6 +447,47 @@ def read_gguf(
         metadata=meta,
         source=source,
     )
+
+
+_FLOAT_TYPES = frozenset({ggml_quants.F32, ggml_quants.BF16})
+
+
+def _field_array(field: str, layers: dict, shape: tuple[int, ...], stored: bool, source: str):
+    """One `TransformerWeights` field from its tensors ({layer or None: (name, tensor, type_id,
+    shape)}): float32 (dequantized), bfloat16, or GGML blocks as stored (see `read_gguf`)."""
+    from jllama.ggml_matrix import GGMLMatrix, LayerStack
+
+    types = {type_id for _, _, type_id, _ in layers.values()}
+    keep_blocks = stored and field in _MATRIX_FIELDS and not types <= _FLOAT_TYPES
+    keep_bf16 = stored and field in _MATRIX_FIELDS and types == {ggml_quants.BF16}
+
+    def one(name, tensor, type_id, want):
+        try:
+            if keep_blocks:
+                if type_id in _FLOAT_TYPES:  # a float layer among quantized ones: as its blocks
+                    values = ggml_quants.dequantize(tensor.data, type_id, want)
+                    return GGMLMatrix(values.view(np.uint8).reshape(want[0], -1),
+                                      ggml_quants.F32, want[-1])
+                raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+                return GGMLMatrix(raw.reshape(want[0], -1), type_id, want[-1])
+            values = ggml_quants.dequantize(tensor.data, type_id, want)
+            if keep_bf16:
+                import ml_dtypes
+
+                return np.asarray(tensor.data).reshape(-1).view(ml_dtypes.bfloat16).reshape(want)
+            return values
+        except (CheckpointError, ValueError) as e:
+            raise CheckpointError(f"{source}: tensor {name!r}: {e}") from None
+
+    if None in layers:
+        return one(*layers[None])
+    matrices = [one(*layers[l]) for l in range(len(layers))]
+    if keep_blocks:
+        return LayerStack(tuple(matrices))
+    out = np.empty(shape, matrices[0].dtype)
+    for l, m in enumerate(matrices):
+        out[l] = m
+    return out
 
 
 def _tensor_name(field: str, layer: int | None) -> str:

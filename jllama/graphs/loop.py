@@ -26,6 +26,7 @@ from jllama.graphs.attention import attend_current
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.qkv import qkv
+from jllama.ggml_matrix import GGMLMatrix
 from jllama.quant import Int8Matrix
 
 SAMPLING_KINDS = ("greedy", "mult", "topp")
@@ -110,6 +111,8 @@ def _embedding_row(table, token: jax.Array) -> jax.Array:
     def row(a):
         return jnp.take(a, token, axis=0, mode="clip")
 
+    if isinstance(table, GGMLMatrix):  # only where the kernels are
+        return kernels.embedding_rows(table, token[None])[0]
     if isinstance(table, Int8Matrix) and table.grouped:
         return row(table.q).astype(jnp.float32) * jnp.repeat(row(table.scale), table.group_size)
     if isinstance(table, Int8Matrix):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jllama import kernels
+from jllama.ggml_matrix import is_ggml
 from jllama.quant import Int8Matrix
 
 # f32 matrix products at full f32 precision: the default lets GPUs use TF32 (10-bit mantissa),
@@ -33,7 +34,7 @@ def matmul(w: jax.Array | Int8Matrix, x: jax.Array, matvec: str = "xla") -> jax.
     multiplied by the row's scale afterwards: `sum(q * x) * scale`, equal to `(q * scale) @ x`
     up to rounding; the product reads one byte per weight.
     """
-    if matvec == "kernel":
+    if matvec == "kernel" or is_ggml(w):  # GGML blocks are there only where the kernels are
         return kernels.matvec(w, x)
     if matvec != "xla":
         raise ValueError(f"matvec={matvec!r}; known: {', '.join(kernels.MATVEC_MODES)}")
@@ -54,7 +55,7 @@ def norm_matmul(
     """`w @ rmsnorm(x, weight, eps)`: f32[n] -> f32[out] (w as `matmul`). With
     matvec="kernel" the norm runs inside the product's kernel call (`jllama.kernels.matvec`),
     not as XLA programs of its own."""
-    if matvec == "kernel":
+    if matvec == "kernel" or is_ggml(w):
         return kernels.matvec(w, x, norm=weight, eps=eps)
     return matmul(w, rmsnorm(x, weight, eps), matvec)
 
@@ -64,7 +65,7 @@ def residual_matmul(
 ) -> jax.Array:
     """`residual + w @ x`: residual f32[out], x f32[n] (w as `matmul`); with matvec="kernel"
     the addition runs inside the product's kernel call."""
-    if matvec == "kernel":
+    if matvec == "kernel" or is_ggml(w):
         return kernels.matvec(w, x, add=residual)
     return residual + matmul(w, x, matvec)
 
@@ -76,7 +77,7 @@ def residual_swiglu_matmul(
     """`residual + w @ (silu(a) * b)`, SwiGLU's last product (Shazeer 2020, as llama2.c
     run.c): residual f32[out], a and b f32[n] (w as `matmul`); with matvec="kernel" silu, the
     multiply and the addition run inside the product's kernel call."""
-    if matvec == "kernel":
+    if matvec == "kernel" or is_ggml(w):
         return kernels.matvec(w, a, gate=b, add=residual)
     return residual + matmul(w, jax.nn.silu(a) * b, matvec)
 

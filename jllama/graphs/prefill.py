@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jllama import kernels
 from jllama.config import ModelConfig
 from jllama.graphs.ops import PRECISION, split_qkv
+from jllama.ggml_matrix import is_ggml
 from jllama.quant import Int8Matrix
 
 
@@ -33,6 +34,8 @@ def _rows_matmul(x: jax.Array, w) -> jax.Array:
     """x: f32[T, in], w: [out, in] (f32, or bf16 / `Int8Matrix` widened inside the program)
     -> f32[T, out]: each row times w. A chunk's product is matrix-matrix, so widening the
     weights once per chunk costs little next to the T rows it serves."""
+    if is_ggml(w):  # GGML blocks: jllama's kernel dequantizes them (exactly) for XLA's product
+        return jnp.einsum("ti,oi->to", x, kernels.dequantize(w), precision=PRECISION)
     if isinstance(w, Int8Matrix) and w.grouped:
         out, n = w.q.shape
         dense = w.q.reshape(out, -1, w.group_size).astype(jnp.float32) * w.scale[..., None]
