@@ -6,7 +6,9 @@ Presets live in `configs/` and are passed with `--flagfile`.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import json
 import math
 import os
@@ -1030,6 +1032,10 @@ def run() -> None:
             setattr(sys, name, open(os.devnull, "r" if name == "stdin" else "w"))
     # A terminal that cannot show a character gets a replacement mark, not a crash.
     sys.stdout.reconfigure(errors="replace")
+    # At exit the interpreter's last collection would walk every object the model and its
+    # vocabulary made (0.15 s of SmolLM2's exit); nothing then needs collecting. Registered
+    # after JAX's handlers, so it runs before them.
+    atexit.register(gc.freeze)
     app.run(_main, flags_parser=_parse_flags)
 
 
