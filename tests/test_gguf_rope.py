@@ -210,5 +210,6 @@ def test_model_config_checks_one_factor_per_rotated_pair():
     scaling = RopeScaling("freq_factors", 1.0, freq_factors=(1.0,) * 7)
     with pytest.raises(ConfigError, match="7 freq_factors; head_dim=16 rotates 8 pairs"):
         dataclasses.replace(TINY, rope_scaling=scaling)
-    ok = dataclasses.replace(TINY, rope_scaling=dataclasses.replace(scaling, freq_factors=(2.0,) * 8))
+    eight = dataclasses.replace(scaling, freq_factors=(2.0,) * 8)
+    ok = dataclasses.replace(TINY, rope_scaling=eight)
     assert ok.rope_scaling.freq_factors == (2.0,) * 8

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_cli import run
 
 from jllama.backends import make_backend
@@ -185,6 +187,41 @@ def test_tokenizer_equals_llama_cpp_and_tokenizers(f32, oracle, hf_tokenizer, ca
     assert tok.decode(tok.encode(text, bos=False)) == text
 
 
+MORE_TEXTS = [
+    "3.14159 and 1,234,567.89%", "  \n\n  x", "a\u2028b\u00a0c", "it's IT'S It'S", "\r\n\r\n",
+    "👩\u200d👩\u200d👧 done", "x" * 300, "tab\tand\vvertical\ftab", "''''' \"\"\" !!! ???",
+    "<|eot_id|><|eot_id|>", "<|reserved_special_token_7|> end", "ÀÉÎÕÜ àéîõü ß",
+]
+
+
+@pytest.mark.parametrize("text", MORE_TEXTS, ids=repr)
+def test_tokenizer_equals_tokenizers_on_more_texts(f32, hf_tokenizer, text):
+    assert f32.tokenizer.encode(text, parse_special=True) == hf_tokenizer.encode(text).ids
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
+def test_tokenizer_equals_tokenizers_on_random_text(f32, hf_tokenizer, text):
+    assert f32.tokenizer.encode(text, parse_special=True) == hf_tokenizer.encode(text).ids
+
+
+# llama.cpp's names for the Llama 3 pre-tokenizer (src/llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_LLAMA3)
+LLAMA3_PRE_NAMES = ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                    "midm-2.0", "lfm2", "jina-v5-nano"]
+
+
+@pytest.mark.parametrize("name", LLAMA3_PRE_NAMES)
+def test_llama_cpps_names_for_the_llama3_pre_tokenizer(f32, hf_tokenizer, name):
+    from jllama.tokenizers.gguf import tokenizer_from_gguf
+
+    meta = {**f32.metadata, "tokenizer.ggml.pre": name}
+    meta.pop("tokenizer.ggml.add_bos_token")  # llama.cpp adds BOS for these names by default
+    tok = tokenizer_from_gguf(meta, "m.gguf")
+    text = "I'M sure they'll pay 1234567, don't\n\n  you?"
+    assert tok.add_bos and tok.encode(text) == hf_tokenizer.encode(text).ids
+
+
 CHATS = [
     [{"role": "user", "content": "Hi there"}],
     [{"role": "system", "content": "  Be brief.\n"}, {"role": "user", "content": "What is 2+2?"},
@@ -229,7 +266,8 @@ def test_full_llama3_vocabulary_passes_llama_cpps_tokenizer_test(tmp_path):
     path = tmp_path / "ggml-vocab-llama-bpe.gguf"
     path.write_bytes(gzip.decompress((DATA / "ggml-vocab-llama-bpe.gguf.gz").read_bytes()))
     tok = tokenizer_from_gguf(dict(read_header(path).metadata), str(path))
-    assert (tok.vocab_size, tok.pre, tok.bos_id, tok.eos_id) == (128256, "llama-bpe", 128000, 128001)
+    assert (tok.vocab_size, tok.pre) == (128256, "llama-bpe")
+    assert (tok.bos_id, tok.eos_id) == (128000, 128001)
     texts = (DATA / "ggml-vocab-llama-bpe.gguf.inp").read_text(encoding="utf-8")
     texts = texts.split("\n__ggml_vocab_test__\n")
     assert texts[-1] == ""  # every string ends with the separator
@@ -299,7 +337,8 @@ def test_q4_k_m_logits_equal_llama_cpp_on_its_dequantized_weights(q4_k_m, oracle
 def test_cli_generates_llama_cpps_text_from_each_k_quant(oracle, hf_tokenizer, quant):
     case = oracle["greedy"][quant][0]
     n = 8
-    result = run(f"--checkpoint={TINY / f'llama32-tiny-{quant}.gguf'}", f"--prompt={case['prompt']}",
+    path = TINY / f"llama32-tiny-{quant}.gguf"
+    result = run(f"--checkpoint={path}", f"--prompt={case['prompt']}",
                  f"--steps={len(case['prompt_ids']) - 1 + n}", "--temperature=0", "--seq_len=64")
     assert result.returncode == 0, result.stderr
     # The prompt, then llama.cpp's first n tokens (its margins there are over 1).

@@ -41,7 +41,8 @@ Steps:
 ORACLE is a small C++ program (not part of jllama, not committed) linked against llama.cpp's
 libllama, built for x86-64-v3 (AVX2, FMA, F16C; bench/build_llamacpp.sh with
 JLLAMA_LLAMACPP_ARCH=x86-64-v3): the -march=native build of the same source crashed (SIGSEGV in
-ggml's AMX matrix product, ggml_backend_amx_mul_mat) on the Q3_K..Q6_K files on a CPU with AMX. `oracle greedy MODEL N PROMPT_FILE` tokenizes the prompt with llama_tokenize
+ggml's AMX matrix product, ggml_backend_amx_mul_mat) on the Q3_K..Q6_K files on a CPU with AMX.
+`oracle greedy MODEL N PROMPT_FILE` tokenizes the prompt with llama_tokenize
 (add_special=true, parse_special=false), runs llama_decode on the prompt as one batch and then
 one token at a time (n_ctx 512, 2 threads, CPU, an f32 KV cache (type_k = type_v = F32) and no
 flash attention, so that nothing but the weights' and activations' quantization departs from
@@ -112,8 +113,9 @@ TOKENIZE_STRINGS = [
     "I'M sure they'll say we'VE done it, don't", "1234567 3.14159 12,345", "a  b   c    d",
     "line\r\nbreak\r\n\r\nend", "def f(x):\n    return x ** 2\n", "naïve café Ünïcödé",
     "Привет, мир", "日本語のテキスト", "🦙 emoji 👩‍👩‍👧", "\u00a0nbsp\u3000ideographic",
-    "<|begin_of_text|>", "user <|eot_id|> more<|eom_id|>", "<|start_header_id|>user<|end_header_id|>\n\nHi",
-    "<|eot_id", "x'ſab", "   leading and trailing   ", "The quick brown fox jumps over the lazy dog.",
+    "<|begin_of_text|>", "user <|eot_id|> more<|eom_id|>",
+    "<|start_header_id|>user<|end_header_id|>\n\nHi", "<|eot_id", "x'ſab",
+    "   leading and trailing   ", "The quick brown fox jumps over the lazy dog.",
 ]
 
 
@@ -137,7 +139,9 @@ def vocab_from_gguf(llama_cpp: Path) -> tuple[list[str], list[str]]:
 
 
 def write_tokenizer(folder: Path, llama_cpp: Path) -> None:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors,
+    )
 
     tokens, merges = vocab_from_gguf(llama_cpp)
     bpe = models.BPE(
