@@ -3,7 +3,8 @@ kernels (`jllama/kernels/ggml_x8.h`, whose header comment draws each one).
 
 Block b of rows 8g .. 8g + 7 become one tile: the same bytes in another order, so a repacked
 matrix has its stored size and exactly its stored values. `repack` and `unpack` are byte
-permutations (NumPy fancy indexing with `tile_sources`); a repacked matrix is a `GGMLMatrix`
+permutations (NumPy fancy indexing with `tile_sources`; Q5_0's and Q5_1's high bits also
+transposed within each row's 4 bytes); a repacked matrix is a `GGMLMatrix`
 whose `type_id` is the ggml type plus `X8`, whose data keeps the shape [rows, row_bytes] (the
 rows of a group hold the group's tiles end to end).
 """
@@ -98,6 +99,23 @@ def _tiles(data: np.ndarray, type_id: int) -> tuple[np.ndarray, tuple[int, ...]]
     return grouped.transpose(0, 1, 3, 2, 4).reshape(-1, blocks, 8 * nb), shape
 
 
+# Q5_0 and Q5_1 tiles hold each row's 32 high bits (qh) transposed: bit 8i + k of the row's
+# 4 bytes is the high bit of value 4k + i (bit 4k + i of qh), so that the kernel gets the high
+# bits of values 4k .. 4k + 3 of all 8 rows as bit k of one 32-byte load.
+_QH_AT = {gq.Q5_0: 16, gq.Q5_1: 32}
+_QH_BITS = np.array([4 * (b % 8) + b // 8 for b in range(32)])  # plane bit b <- qh bit
+
+
+def _transpose_qh(tiles: np.ndarray, type_id: int, inverse: bool) -> None:
+    """Q5's high bits in place, tiles u8[..., tile bytes]: to the plane layout, or back."""
+    at = _QH_AT[type_id]
+    words = tiles[..., at:at + 32].reshape(*tiles.shape[:-1], 8, 4)
+    bits = np.unpackbits(words, axis=-1, bitorder="little")
+    order = np.argsort(_QH_BITS) if inverse else _QH_BITS
+    words = np.packbits(bits[..., order], axis=-1, bitorder="little")
+    tiles[..., at:at + 32] = words.reshape(*tiles.shape[:-1], 32)
+
+
 def repack(data: np.ndarray, type_id: int) -> np.ndarray:
     """u8[..., rows, row_bytes] of ggml type `type_id` (rows a multiple of 8) in its x8 layout:
     a new array of the same shape.
@@ -108,7 +126,10 @@ def repack(data: np.ndarray, type_id: int) -> np.ndarray:
     if not can_repack(type_id, data.shape[-2]):
         raise ValueError(f"{gq.type_name(type_id)} with {data.shape[-2]} rows has no x8 layout")
     tiles, shape = _tiles(data, type_id)
-    return np.ascontiguousarray(tiles[..., tile_sources(type_id)]).reshape(shape)
+    out = np.ascontiguousarray(tiles[..., tile_sources(type_id)])
+    if type_id in _QH_AT:
+        _transpose_qh(out, type_id, inverse=False)
+    return out.reshape(shape)
 
 
 def unpack(data: np.ndarray, type_id: int) -> np.ndarray:
@@ -119,6 +140,9 @@ def unpack(data: np.ndarray, type_id: int) -> np.ndarray:
     rows, row_bytes = shape[-2], shape[-1]
     blocks = row_bytes // nb
     tiles = np.asarray(data).reshape(-1, rows // 8, blocks, 8 * nb)
+    if type_id in _QH_AT:
+        tiles = tiles.copy()
+        _transpose_qh(tiles, type_id, inverse=True)
     inverse = np.empty_like(tile_sources(type_id))
     inverse[tile_sources(type_id)] = np.arange(inverse.size)
     rows_order = tiles[..., inverse].reshape(-1, rows // 8, blocks, 8, nb)

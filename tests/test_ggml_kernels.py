@@ -1,10 +1,11 @@
 """jllama's kernels for GGML blocks (jllama/kernels/ggml_dot.h, ggml_x8.h) against the `gguf`
-package: its dequantizer for the weights' values, its Q8_0 quantizer for the activations.
+package's dequantizer for the weights' values and llama.cpp's activation quantizers written out
+here in NumPy (`activations`, from ggml-cpu/arch/x86/quants.c and ggml-quants.c).
 
 A product's reference is float64: the weights as `gguf.quants.dequantize` gives them, times x
-quantized as ggml's `quantize_row_q8_0_ref` (q from `gguf.quants.quantize`, the block's step
-max|x| / 127 kept in float32, as the kernels keep it). The kernels sum in float32, so each row
-may differ by float rounding: at most 1e-5 of sum_j |w_j x_j| (a bound, not a fit).
+quantized the way llama.cpp quantizes it for that weight type (Q8_0, Q8_1 or Q8_K). The kernels
+sum in float32, so each row may differ by float rounding: at most 1e-5 of sum_j |w_j x_j| (a
+bound, not a fit).
 """
 
 from __future__ import annotations
@@ -47,11 +48,47 @@ def random_blocks(rng, type_id: int, rows: int, cols: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def quantized_x(x: np.ndarray) -> np.ndarray:
-    """x as the kernels quantize it, float64: gguf's Q8_0 q times max|block| / 127 in float32."""
-    q = gguf.quants.quantize(x[None], Q.Q8_0).reshape(-1, 34)[:, 2:].view(np.int8)
-    d = np.max(np.abs(x.reshape(-1, 32)), axis=1) / np.float32(127)
-    return (q.astype(np.float64) * d.astype(np.float64)[:, None]).reshape(-1)
+K_TYPES = (gq.Q2_K, gq.Q3_K, gq.Q4_K, gq.Q5_K, gq.Q6_K)
+
+
+def activations(x: np.ndarray, type_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8[n], d float64[n]: each value's step) as llama.cpp's CPU backend quantizes x for a
+    product with `type_id` weights: Q8_K for the K-quants (per 256: m the first value of largest
+    magnitude, iscale = -127 / m in float32, q = min(127, rint(iscale * x)), d = 1 / iscale),
+    Q8_0 / Q8_1 otherwise (per 32: q = rint(x * (127 / max|x|)), d = max|x| / 127 rounded to
+    float16). rint rounds half to even, as llama.cpp's _mm256_round_ps and nearest_int."""
+    f32 = np.float32
+    x = x.astype(f32)
+    if type_id in K_TYPES:
+        blocks = x.reshape(-1, 256)
+        first = np.argmax(np.abs(blocks), axis=1)
+        m = blocks[np.arange(len(blocks)), first]
+        with np.errstate(divide="ignore"):
+            iscale = np.where(m != 0, f32(-127) / m, f32(0)).astype(f32)
+        q = np.minimum(np.rint(blocks * iscale[:, None]), 127).astype(np.int8)
+        with np.errstate(divide="ignore"):
+            d = np.where(iscale != 0, f32(1) / iscale, f32(0)).astype(f32)
+        return q.reshape(-1), np.repeat(d.astype(np.float64), 256)
+    blocks = x.reshape(-1, 32)
+    amax = np.max(np.abs(blocks), axis=1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, f32(127) / amax, f32(0)).astype(f32)
+    q = np.rint(blocks * inv[:, None]).astype(np.int8)
+    d = (amax / f32(127)).astype(np.float16).astype(np.float64)
+    return q.reshape(-1), np.repeat(d, 32)
+
+
+def quantized_x(x: np.ndarray, type_id: int = gq.Q8_0) -> np.ndarray:
+    """x as llama.cpp quantizes it for `type_id` weights, float64 values (q * d)."""
+    q, d = activations(x, type_id)
+    return q.astype(np.float64) * d
+
+
+def q8_1_minimum_term(x: np.ndarray) -> np.ndarray:
+    """Q8_1's s per 32: max|x| / 127 * sum(q), rounded to float16 (llama.cpp's y.s)."""
+    q, _ = activations(x, gq.Q8_0)
+    amax = np.max(np.abs(x.reshape(-1, 32)), axis=1) / np.float32(127)
+    return (amax * q.reshape(-1, 32).sum(axis=1).astype(np.float32)).astype(np.float16)
 
 
 def reference(w_f32: np.ndarray, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -62,6 +99,27 @@ def reference(w_f32: np.ndarray, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 def dequantized(data, type_id, rows, cols) -> np.ndarray:
     return gguf.quants.dequantize(np.asarray(data), Q(type_id)).reshape(rows, cols)
+
+
+def expected_product(data, type_id, rows, cols, x):
+    """The float64 reference of a product of `type_id` blocks with x, and its bound. Q4_1 and
+    Q5_1 rows are d * v + m: their minimum meets llama.cpp's float16 s = d * sum(q) of each
+    block, so the reference takes the minimums' term with that rounded s."""
+    w = dequantized(data, type_id, rows, cols)
+    xq = quantized_x(x, type_id)
+    if type_id not in (gq.Q4_1, gq.Q5_1):
+        return reference(w, xq)
+    blocks = np.asarray(data).reshape(rows, cols // 32, -1)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)[..., 0]
+    scaled = (w - np.repeat(m, 32, axis=1)) / np.where(np.repeat(d, 32, axis=1) == 0, 1,
+                                                     np.repeat(d, 32, axis=1))
+    v = np.rint(scaled)  # the 4- or 5-bit value of each weight
+    main = (np.repeat(d, 32, axis=1) * v) @ xq
+    s = q8_1_minimum_term(x).astype(np.float64)
+    want = main + m @ s
+    bound = 1e-5 * (np.abs(np.repeat(d, 32, axis=1) * v) @ np.abs(xq) + np.abs(m) @ np.abs(s)) + 1e-30
+    return want, bound
 
 
 def shapes_for(type_id):
@@ -78,7 +136,7 @@ def test_products_of_every_type_and_layout_match_gguf(type_id):
         data = random_blocks(rng, type_id, rows, cols)
         plain = GGMLMatrix(data, type_id, cols)
         x = rng.standard_normal(cols).astype(np.float32)
-        want, bound = reference(dequantized(data, type_id, rows, cols), quantized_x(x))
+        want, bound = expected_product(data, type_id, rows, cols, x)
         layouts = [plain, repacked(plain)] if kernels.vector_width() >= 8 else [plain]
         if type_id in ggml_repack.TYPES and len(layouts) == 2:
             assert layouts[1].repacked
@@ -102,26 +160,41 @@ def test_dequantize_and_embedding_rows_are_ggml_values_exactly(type_id):
         assert np.array_equal(rows_got.view(np.uint32), want[np.asarray(tokens)].view(np.uint32))
 
 
-def test_activations_are_quantized_as_q8_0_reference():
+def test_activations_are_quantized_as_llama_cpp_does():
     """A Q8_0 matrix whose rows pick one element each (q = 1 there, d = 1) returns the
-    quantized activations themselves: q_j * (max|block| / 127) rounded once to float32, with
-    gguf's q exactly."""
+    quantized activations themselves, q_j * d_j (one float32 rounding): llama.cpp's Q8_0 for
+    Q8_0 weights; a Q6_K matrix of the same kind (scale 1, value 33: weight 1) its Q8_K."""
     rng = np.random.default_rng(3)
-    n = 96
-    x = (rng.standard_normal(n) * np.repeat([0.01, 3.0, 1e-30], 32)).astype(np.float32)
+    n = 256
+    x = (rng.standard_normal(n) * np.repeat([0.01, 3.0, 1e-30, 1, 1, 1, 1, 1], 32)).astype(np.float32)
     x[32:64] = np.clip(x[32:64], -60, 60)
-    x[32], x[40], x[41] = 63.5, 0.25, -0.75  # d = 0.5: x / d = 0.5 and -1.5 are ties of roundf
+    x[32], x[40], x[41] = 63.5, 0.25, -0.75  # id = 2: x * id = 0.5 and -1.5 are ties
     blocks = np.zeros((n, n // 32, 34), np.uint8)
     blocks[:, :, :2] = np.array([1], np.float16).view(np.uint8)
     for j in range(n):
         blocks[j, j // 32, 2 + j % 32] = 1
     w = GGMLMatrix(blocks.reshape(n, -1), gq.Q8_0, n)
-    q = gguf.quants.quantize(x[None], Q.Q8_0).reshape(-1, 34)[:, 2:].view(np.int8)
-    d = np.max(np.abs(x.reshape(-1, 32)), axis=1) / np.float32(127)
-    want = (q.astype(np.float32) * d[:, None]).reshape(-1)
-    assert q.reshape(-1)[40] == 1 and q.reshape(-1)[41] == -2  # the ties went away from zero
+    q, d = activations(x, gq.Q8_0)
+    assert q[40] == 0 and q[41] == -2  # half to even
+    want = q.astype(np.float32) * d.astype(np.float32)
     assert np.array_equal(np.asarray(matvec(w, jnp.asarray(x))), want)
     assert np.array_equal(np.asarray(matvec(repacked(w), jnp.asarray(x))), want)
+    # Q6_K rows that pick one element: ql/qh give value 33 (weight (33 - 32) * scale 1 * d 1).
+    six = np.zeros((n, 210), np.uint8)
+    six[:, 192:208] = 1
+    six[:, 208:210] = np.array([1], np.float16).view(np.uint8)
+    for j in range(n):
+        half, e = divmod(j, 128)
+        group, lane = divmod(e, 32)  # value 33 = 0b100001: low nibble 1, high bits 2
+        six[j, 64 * half + lane + 32 * (group % 2)] = 1 << (4 * (group // 2))
+        six[j, 128 + 32 * half + lane] = 2 << (2 * group)
+    # every other element of the row is 0 = weight -32: subtract those, as the reference does
+    q, d = activations(x, gq.Q6_K)
+    w6 = dequantized(six, gq.Q6_K, n, n)
+    got = np.asarray(matvec(GGMLMatrix(six, gq.Q6_K, n), jnp.asarray(x)), np.float64)
+    want6, bound = reference(w6, q.astype(np.float64) * d)
+    assert np.all(np.abs(got - want6) <= bound)
+    assert np.all(np.diag(w6) == 1)
 
 
 def test_row_stacks_of_mixed_types_and_prologues():
@@ -138,7 +211,11 @@ def test_row_stacks_of_mixed_types_and_prologues():
     add = rng.standard_normal(104).astype(np.float32)
     xn = (norm.astype(np.float64) * x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5))
     w = np.concatenate([dequantized(p.data, p.type_id, p.shape[0], cols) for p in parts])
-    want, bound = reference(w, quantized_x(xn.astype(np.float32)))
+    xn32 = xn.astype(np.float32)
+    want = np.concatenate([reference(dequantized(p.data, p.type_id, p.shape[0], cols),
+                                     quantized_x(xn32, p.type_id))[0] for p in parts])
+    bound = np.concatenate([reference(dequantized(p.data, p.type_id, p.shape[0], cols),
+                                      quantized_x(xn32, p.type_id))[1] for p in parts])
     f = jax.jit(lambda w, x, n, a: kernels.matvec(w, x, norm=n, eps=1e-5, add=a))
     for layout in (stack, repacked(stack)):
         got = np.asarray(f(layout, jnp.asarray(x), jnp.asarray(norm), jnp.asarray(add)), np.float64)
@@ -146,6 +223,7 @@ def test_row_stacks_of_mixed_types_and_prologues():
         # an activation's rounding step: allow one step of each block on top of the bound.
         step = np.abs(w) @ np.repeat(np.max(np.abs(xn.reshape(-1, 32)), axis=1) / 127, 32)
         assert np.all(np.abs(got - add - want) <= bound + step * 1e-2 + 1e-4)
+        assert np.max(np.abs(got - add - want)) < 0.05 * np.max(np.abs(want))
 
 
 def test_same_type_parts_stack_into_one_matrix_and_float_parts_join():
@@ -160,7 +238,7 @@ def test_same_type_parts_stack_into_one_matrix_and_float_parts_join():
     assert np.array_equal(np.asarray(mixed)[8:], f)
     x = rng.standard_normal(256).astype(np.float32)
     got = np.asarray(matvec(mixed, jnp.asarray(x)), np.float64)
-    want_q, bound = reference(np.asarray(a), quantized_x(x))
+    want_q, bound = reference(np.asarray(a), quantized_x(x, gq.Q4_K))
     assert np.all(np.abs(got[:8] - want_q) <= bound)
     np.testing.assert_allclose(got[8:], f.astype(np.float64) @ x, rtol=1e-5, atol=1e-5)
 
@@ -172,7 +250,11 @@ def test_x8_layouts_are_permutations_that_round_trip(type_id):
     data = rng.integers(0, 256, (3, 16, 2 * nbytes), dtype=np.uint8)
     packed = ggml_repack.repack(data, type_id)
     assert packed.shape == data.shape and not np.array_equal(packed, data)
-    assert np.array_equal(np.sort(packed.reshape(-1)), np.sort(data.reshape(-1)))
+    if type_id in (gq.Q5_0, gq.Q5_1):  # their high bits are transposed within each row's 4
+        ones = np.unpackbits(packed).sum(), np.unpackbits(data).sum()
+        assert ones[0] == ones[1]
+    else:  # the same bytes
+        assert np.array_equal(np.sort(packed.reshape(-1)), np.sort(data.reshape(-1)))
     assert np.array_equal(ggml_repack.unpack(packed, type_id + ggml_repack.X8), data)
     # The kernels' own table (matvec.cc) is the same layout.
     lib = ctypes.CDLL(kernels.load())
@@ -257,7 +339,7 @@ def test_the_avx2_and_generic_builds_match_gguf(march, tmp_path, monkeypatch):
         data = random_blocks(rng, type_id, rows, cols)
         wf = dequantized(data, type_id, rows, cols)
         x = rng.standard_normal(cols).astype(np.float32)
-        want, bound = reference(wf, quantized_x(x))
+        want, bound = expected_product(data, type_id, rows, cols, x)
         layouts = [GGMLMatrix(data, type_id, cols)]
         if march == "x86-64-v3" and type_id in ggml_repack.TYPES:
             layouts.append(repacked(layouts[0]))

@@ -34,8 +34,8 @@ def _rows_matmul(x: jax.Array, w) -> jax.Array:
     """x: f32[T, in], w: [out, in] (f32, or bf16 / `Int8Matrix` widened inside the program)
     -> f32[T, out]: each row times w. A chunk's product is matrix-matrix, so widening the
     weights once per chunk costs little next to the T rows it serves."""
-    if is_ggml(w):  # GGML blocks: jllama's kernel dequantizes them (exactly) for XLA's product
-        return jnp.einsum("ti,oi->to", x, kernels.dequantize(w), precision=PRECISION)
+    if is_ggml(w):  # GGML blocks: jllama's kernel, as a decode step computes each token's row
+        return kernels.matmul(w, x)
     if isinstance(w, Int8Matrix) and w.grouped:
         out, n = w.q.shape
         dense = w.q.reshape(out, -1, w.group_size).astype(jnp.float32) * w.scale[..., None]

@@ -59,9 +59,10 @@ ROPE_WRITE = SYMBOLS[7]
 into the layer's cache block."""
 ATTENTION_CHUNK = SYMBOLS[8]
 """The handler for a prefill chunk's causal attention over float32 cache blocks."""
-MATVEC_GGML, DEQUANTIZE_GGML, ROWS_GGML = SYMBOLS[9:12]
+MATVEC_GGML, DEQUANTIZE_GGML, ROWS_GGML, MATMUL_GGML = SYMBOLS[9:13]
 """The handlers for GGML blocks (`jllama.ggml_matrix`): a product with stacked parts of any
-types, the parts dequantized to float32, and rows of a table dequantized."""
+types, the parts dequantized to float32, rows of a table dequantized, and the product with the
+T tokens of a prefill chunk."""
 
 PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
 """The matvec handlers' `prologue` attribute (`matvec.cc`): x as given, RMSNorm(x) * norm,
@@ -173,6 +174,15 @@ def dequantize(w) -> jax.Array:
     parts, types = _parts(w)
     out = jax.ShapeDtypeStruct(w.shape, jnp.float32)
     return jax.ffi.ffi_call(DEQUANTIZE_GGML, out)(*parts, types=types)
+
+
+def matmul(w, x: jax.Array) -> jax.Array:
+    """x: f32[T, n] times a GGMLMatrix or RowStack [m, n] (out x in): f32[T, m], each token's
+    row as `matvec` computes it for that token alone (activations quantized per token, the same
+    sums in the same order). For tracing inside a jitted program (call `load()` first)."""
+    parts, types = _parts(w)
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(MATMUL_GGML, out)(x.astype(jnp.float32), *parts, types=types)
 
 
 def embedding_rows(table: GGMLMatrix, tokens: jax.Array) -> jax.Array:

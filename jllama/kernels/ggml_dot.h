@@ -125,8 +125,9 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// x quantized: q int8[n], d f32[n / 32], s16 int16[n / 16] (sum of q over each 16), ds f32[n /
-// 32] (d times the sum of q over each 32). n a multiple of 32.
+// x quantized: q int8[n], d f32[n / 32] (each block's step), s16 int16[n / 16] (sum of q over
+// each 16), ds f32[n / 32] (d times the sum of q over each 32, for offsets and minimums). n a
+// multiple of 32 (of 256 for the K kind).
 struct Activations {
   const int8_t* q;
   const float* d;
@@ -135,65 +136,142 @@ struct Activations {
   int64_t n;
 };
 
+// The three ways llama.cpp's CPU backend quantizes activations for its integer dot products
+// (ggml-cpu/arch/x86/quants.c and ggml-quants.c), which jllama's kernels repeat so that their
+// products agree with llama.cpp's up to float rounding (its `vec_dot_type` of each weight type):
+//   Q8_0 (for Q4_0, Q5_0, Q8_0 weights): per 32, id = 127 / max|x|, q = x * id rounded half to
+//     even; the step d = max|x| / 127 stored as float16 (the products use the rounded d);
+//   Q8_1 (for Q4_1, Q5_1): Q8_0's q and d, and s = d * sum(q) stored as float16 (the minimum's
+//     term uses the rounded s);
+//   Q8_K (for the K-quants): per 256, m = the value of largest magnitude (the first such, with
+//     its sign), iscale = -127 / m, q = min(127, iscale * x rounded half to even), d = 1 / iscale
+//     in float32 (negative when m is positive).
+enum ActivationKind : int { kQ8_0 = 0, kQ8_1 = 1, kQ8_K = 2 };
+constexpr int kActivationKinds = 3;
+
+inline int activation_kind(int32_t type) {
+  const int32_t base = type >= 256 ? type - 256 : type;
+  switch (base) {
+    case Q4_1: case Q5_1: return kQ8_1;
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return kQ8_K;
+    default: return kQ8_0;
+  }
+}
+
+// float32 -> float16 -> float32, rounding to nearest even (F16C's `_cvtss_sh(x, 0)`, which
+// ggml's GGML_CPU_FP32_TO_FP16 is on x86).
+inline float round_fp16(float f) {
+#if defined(__F16C__)
+  return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = x & 0x80000000u;
+  const uint32_t ax = x & 0x7FFFFFFFu;
+  uint16_t h;
+  if (ax >= 0x7F800000u) {  // inf or NaN
+    h = static_cast<uint16_t>((sign >> 16) | 0x7C00u | (ax > 0x7F800000u ? 0x200u : 0));
+  } else if (ax >= 0x477FF000u) {  // rounds to >= 65520: inf
+    h = static_cast<uint16_t>((sign >> 16) | 0x7C00u);
+  } else if (ax < 0x38800000u) {  // below float16's normals: a multiple of 2^-24
+    float a;
+    std::memcpy(&a, &ax, sizeof a);
+    const float scaled = std::nearbyint(a * 16777216.0f);  // exact scaling, then RNE
+    h = static_cast<uint16_t>((sign >> 16) | static_cast<uint32_t>(scaled));
+  } else {
+    const uint32_t mant = ax & 0x7FFFFFu, exp = (ax >> 23) - 112;
+    uint32_t v = (exp << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1FFFu;
+    if (rest > 0x1000u || (rest == 0x1000u && (v & 1))) ++v;  // carries into the exponent
+    h = static_cast<uint16_t>((sign >> 16) | v);
+  }
+  return fp16(h);
+#endif
+}
+
 // Bytes of scratch `quantize` needs for n activations (all four arrays, 64-byte aligned).
 inline int64_t activation_bytes(int64_t n) {
   auto up = [](int64_t b) { return (b + 63) / 64 * 64; };
   return up(n) + up(n / 32 * 4) + up(n / 16 * 2) + up(n / 32 * 4);
 }
 
-// One block of 32 as quantize_row_q8_0_ref: returns d; q gets the 32 values.
-inline float quantize_block(const float* x, int8_t* q) {
+// Rounds y * mul to nearest even (the MXCSR's default mode) into int8 q, `count` values (a
+// multiple of 8); `cap`: at most 127 (Q8_K's MIN(127, v)).
+inline void round_to_int8(const float* y, float mul, int8_t* q, int64_t count, bool cap) {
+  int64_t j = 0;
+#if JLLAMA_Q_AVX2
+  const __m256 m = _mm256_set1_ps(mul);
+  for (; j + 32 <= count; j += 32) {
+    __m256i r[4];
+    for (int k = 0; k < 4; ++k) {
+      __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(y + j + 8 * k), m),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      if (cap) v = _mm256_min_ps(v, _mm256_set1_ps(127.0f));
+      r[k] = _mm256_cvtps_epi32(v);
+    }
+    // int32 -> int8 in element order: packs interleave 128-bit lanes, the permute undoes it.
+    const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j), p8);
+  }
+#endif
+  for (; j < count; ++j) {
+    float v = std::nearbyint(y[j] * mul);
+    if (cap) v = std::fmin(v, 127.0f);
+    q[j] = static_cast<int8_t>(v);
+  }
+}
+
+inline float max_abs(const float* x, int64_t count) {
 #if JLLAMA_Q_AVX2
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
-  __m256 amax = _mm256_setzero_ps();
-  for (int k = 0; k < 4; ++k) {
-    v[k] = _mm256_loadu_ps(x + 8 * k);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[k]));
-  }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 8)
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float d = _mm_cvtss_f32(m4) / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-  const __m256 mul = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f);
-  __m256i r[4];
-  for (int k = 0; k < 4; ++k) {
-    // roundf: truncate, then one step away from zero when the dropped part is >= 1/2 (the
-    // difference of a float and its truncation is exact).
-    const __m256 y = _mm256_mul_ps(v[k], mul);
-    const __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __m256 frac = _mm256_andnot_ps(sign_bit, _mm256_sub_ps(y, t));
-    const __m256 away = _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ),
-                                      _mm256_or_ps(_mm256_and_ps(y, sign_bit), _mm256_set1_ps(1.0f)));
-    r[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, away));
-  }
-  // int32 -> int8 in element order: packs interleave 128-bit lanes, the permute undoes it.
-  const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
-  __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-  p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
-  return d;
+  return _mm_cvtss_f32(m4);
 #else
-  float amax = 0.0f;
-  for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
-  const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-  for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::roundf(x[j] * id));
-  return d;
+  float a = 0.0f;
+  for (int64_t j = 0; j < count; ++j) a = std::fmax(a, std::fabs(x[j]));
+  return a;
 #endif
 }
 
-// Quantizes x: f32[n] (n a multiple of 32) into `scratch` (activation_bytes(n), 64-byte
-// aligned) and returns the view of it.
-inline Activations quantize(const float* x, int64_t n, uint8_t* scratch) {
+// Quantizes x: f32[n] as `kind` (n a multiple of 32, of 256 for kQ8_K) into `scratch`
+// (activation_bytes(n)) and returns the view of it.
+inline Activations quantize(const float* x, int64_t n, uint8_t* scratch, int kind) {
   auto up = [](int64_t b) { return (b + 63) / 64 * 64; };
   int8_t* q = reinterpret_cast<int8_t*>(scratch);
   float* d = reinterpret_cast<float*>(scratch + up(n));
   int16_t* s16 = reinterpret_cast<int16_t*>(scratch + up(n) + up(n / 32 * 4));
   float* ds = reinterpret_cast<float*>(scratch + up(n) + up(n / 32 * 4) + up(n / 16 * 2));
+  if (kind == kQ8_K) {
+    for (int64_t s = 0; s < n / 256; ++s) {
+      const float* xs = x + 256 * s;
+      const float amax = max_abs(xs, 256);
+      float step = 0.0f;
+      if (amax != 0.0f) {
+        int64_t first = 0;
+        while (std::fabs(xs[first]) != amax) ++first;
+        const float iscale = -127.0f / xs[first];
+        round_to_int8(xs, iscale, q + 256 * s, 256, true);
+        step = 1.0f / iscale;
+      } else {
+        std::memset(q + 256 * s, 0, 256);
+      }
+      for (int b = 0; b < 8; ++b) d[8 * s + b] = step;
+    }
+  } else {
+    for (int64_t b = 0; b < n / 32; ++b) {
+      const float amax = max_abs(x + 32 * b, 32);
+      d[b] = round_fp16(amax / 127.0f);
+      round_to_int8(x + 32 * b, amax != 0.0f ? 127.0f / amax : 0.0f, q + 32 * b, 32, false);
+    }
+  }
   for (int64_t b = 0; b < n / 32; ++b) {
-    d[b] = quantize_block(x + 32 * b, q + 32 * b);
     int32_t lo = 0, hi = 0;
     for (int j = 0; j < 16; ++j) {
       lo += q[32 * b + j];
@@ -201,7 +279,12 @@ inline Activations quantize(const float* x, int64_t n, uint8_t* scratch) {
     }
     s16[2 * b] = static_cast<int16_t>(lo);
     s16[2 * b + 1] = static_cast<int16_t>(hi);
-    ds[b] = d[b] * static_cast<float>(lo + hi);
+    if (kind == kQ8_1) {  // s = d * sum(q) in float16, d before its own rounding
+      const float amax = max_abs(x + 32 * b, 32);
+      ds[b] = round_fp16(amax / 127.0f * static_cast<float>(lo + hi));
+    } else {
+      ds[b] = d[b] * static_cast<float>(lo + hi);
+    }
   }
   return Activations{q, d, s16, ds, n};
 }

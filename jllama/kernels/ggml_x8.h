@@ -19,8 +19,9 @@
 //   Q8_0  d[8] f16 | 8 chunks of qs (chunk k: values 4k .. 4k + 3)                    272 bytes
 //   Q4_0  d[8] | 4 chunks of qs (chunk c: nibbles of values 4c.. (low) and 16 + 4c.. (high))  144
 //   Q4_1  d[8] | m[8] | 4 nibble chunks                                                160
-//   Q5_0  d[8] | qh[8] (each row's 32 high bits) | 4 nibble chunks                     176
-//   Q5_1  d[8] | m[8] | qh[8] | 4 nibble chunks                                        192
+//   Q5_0  d[8] | qh[8] (each row's 32 high bits, transposed: bit 8i + k of its 4 bytes is the
+//         high bit of value 4k + i) | 4 nibble chunks                                  176
+//   Q5_1  d[8] | m[8] | qh[8] (transposed as Q5_0's) | 4 nibble chunks                 192
 //   Q4_K  d[8] | dmin[8] | 12 scale planes (plane p: byte p of each row's 12 scale bytes, 8
 //         bytes) | 32 nibble chunks (64-value group g, chunk c: values 64g + 4c.. low nibbles,
 //         64g + 32 + 4c.. high)                                                       1152
@@ -99,9 +100,18 @@ inline void x8_row(int32_t type, const uint8_t* group, int r, int64_t n, const i
                    uint8_t* out) {
   const Layout l = layout(type);
   const int64_t blocks = n / l.elements;
+  const int64_t qh = type == Q5_0 ? 2 : type == Q5_1 ? 4 : -1;  // qh's place in a block
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* tile = group + b * 8 * l.bytes;
-    for (int64_t o = 0; o < l.bytes; ++o) out[b * l.bytes + o] = tile[pos[r * l.bytes + o]];
+    uint8_t* block = out + b * l.bytes;
+    for (int64_t o = 0; o < l.bytes; ++o) block[o] = tile[pos[r * l.bytes + o]];
+    if (qh >= 0) {  // the tile's high bits are transposed (jllama.ggml_repack._transpose_qh)
+      uint32_t plane, bits = 0;
+      std::memcpy(&plane, block + qh, 4);
+      for (int i = 0; i < 4; ++i)
+        for (int k = 0; k < 8; ++k) bits |= ((plane >> (8 * i + k)) & 1u) << (4 * k + i);
+      std::memcpy(block + qh, &bits, 4);
+    }
   }
 }
 
@@ -141,151 +151,174 @@ inline uint64_t load_u64(const uint8_t* p) {
   return v;
 }
 
-// Bytes 0x10 where bit 4k + i of row r's high bits (lane r of qh) is set, at byte 4r + i.
-inline __m256i high_bits_0x10(__m256i qh, int k) {
-  const __m256i nib = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(4 * k));
-  const __m256i spread = _mm256_shuffle_epi8(
-      nib, _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
-                            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
-  const __m256i bit = _mm256_setr_epi8(1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8,
-                                       1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
-                          _mm256_set1_epi8(0x10));
+// Bit k (0..7, an immediate) of every byte of `bits`, as 0x10 or 0: the fifth bit of a value.
+inline __m256i bit_to_0x10(__m256i bits, int k) {
+  const __m256i b = _mm256_and_si256(bits, _mm256_set1_epi8(static_cast<char>(1 << k)));
+  switch (k) {  // the bit stays inside its byte: at most 4 places either way
+    case 0: return _mm256_slli_epi16(b, 4);
+    case 1: return _mm256_slli_epi16(b, 3);
+    case 2: return _mm256_slli_epi16(b, 2);
+    case 3: return _mm256_slli_epi16(b, 1);
+    case 4: return b;
+    case 5: return _mm256_srli_epi16(b, 1);
+    case 6: return _mm256_srli_epi16(b, 2);
+    default: return _mm256_srli_epi16(b, 3);
+  }
 }
 
-// The 8 rows of group `w` (n / block elements tiles) dotted with x: y[0..7].
-template <int32_t T>
-inline void x8_dot(const uint8_t* w, const Activations& x, float* y) {
+// a >> k on each 16-bit lane, k in 0..7 an immediate (variable counts cost a register move and
+// run slower on some CPUs).
+inline __m256i srli16(__m256i a, int k) {
+  switch (k) {
+    case 0: return a;
+    case 1: return _mm256_srli_epi16(a, 1);
+    case 2: return _mm256_srli_epi16(a, 2);
+    case 3: return _mm256_srli_epi16(a, 3);
+    case 4: return _mm256_srli_epi16(a, 4);
+    case 5: return _mm256_srli_epi16(a, 5);
+    case 6: return _mm256_srli_epi16(a, 6);
+    default: return _mm256_srli_epi16(a, 7);
+  }
+}
+
+inline __m256i load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// The 8 rows of group `w` (its n / block elements tiles) dotted with NT activation vectors x[t]:
+// y[t][0..7]. The weights are decoded once for all NT (a prefill chunk's tokens share them);
+// per token and block, the integer dot products are summed in int32, then scaled into 8 float
+// lanes, each block's offset or minimum subtracted from the same lanes, in block order: the same
+// operations for any NT, so a token's result does not depend on the others beside it.
+template <int32_t T, int NT>
+inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  const int64_t n = x[0].n;
   if constexpr (T == Q8_0) {
-    for (int64_t b = 0; b < x.n / 32; ++b, w += 272) {
-      __m256i s = _mm256_setzero_si256();
-      const int8_t* a = x.q + 32 * b;
+    for (int64_t b = 0; b < n / 32; ++b, w += 272) {
+      __m256i s[NT];
+      for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
       for (int k = 0; k < 8; ++k) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * k));
-        const __m256i v = bcast4(a + 4 * k);
-        s = dp(s, _mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q));
+        const __m256i q = load256(w + 16 + 32 * k), u = _mm256_sign_epi8(q, q);
+        for (int t = 0; t < NT; ++t)
+          s[t] = dp(s[t], u, _mm256_sign_epi8(bcast4(x[t].q + 32 * b + 4 * k), q));
       }
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                            _mm256_mul_ps(f16x8(w), _mm256_set1_ps(x.d[b])), acc);
+      const __m256 d = f16x8(w);
+      for (int t = 0; t < NT; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
+                                 acc[t]);
     }
   } else if constexpr (T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1) {
     constexpr bool min = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
     constexpr int64_t qh_at = min ? 32 : 16, qs_at = qh_at + (five ? 32 : 0);
     constexpr int64_t tile = qs_at + 128;
     constexpr float offset = T == Q4_0 ? 8.0f : T == Q5_0 ? 16.0f : 0.0f;
-    for (int64_t b = 0; b < x.n / 32; ++b, w += tile) {
-      __m256i s = _mm256_setzero_si256();
-      const int8_t* a = x.q + 32 * b;
-      const __m256i qh = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + qh_at))
-                              : _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + qs_at + 32 * c));
-        __m256i lo = _mm256_and_si256(q, low4);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        if (five) {
-          lo = _mm256_or_si256(lo, high_bits_0x10(qh, c));
-          hi = _mm256_or_si256(hi, high_bits_0x10(qh, c + 4));
-        }
-        s = dp(s, lo, bcast4(a + 4 * c));
-        s = dp(s, hi, bcast4(a + 16 + 4 * c));
+    for (int64_t b = 0; b < n / 32; ++b, w += tile) {
+      __m256i s[NT];
+      for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+      const __m256i qh = five ? load256(w + qh_at) : _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3 of the 8 rows
+        const __m256i q = load256(w + qs_at + 32 * (k % 4));
+        __m256i v = _mm256_and_si256(k < 4 ? q : _mm256_srli_epi16(q, 4), low4);
+        if (five) v = _mm256_or_si256(v, bit_to_0x10(qh, k));
+        for (int t = 0; t < NT; ++t) s[t] = dp(s[t], v, bcast4(x[t].q + 32 * b + 4 * k));
       }
       const __m256 d = f16x8(w);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), acc);
-      if (min) off = _mm256_fnmadd_ps(f16x8(w + 16), _mm256_set1_ps(x.ds[b]), off);
-      else off = _mm256_fmadd_ps(d, _mm256_set1_ps(offset * x.ds[b]), off);
+      const __m256 m = min ? f16x8(w + 16) : _mm256_setzero_ps();
+      for (int t = 0; t < NT; ++t) {
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
+                                 acc[t]);
+        if (min) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].ds[b]), acc[t]);
+        else acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(offset * x[t].ds[b]), acc[t]);
+      }
     }
   } else if constexpr (T == Q4_K || T == Q5_K) {
     constexpr bool five = T == Q5_K;
     constexpr int64_t qs_at = five ? 384 : 128, tile = five ? 1408 : 1152;
-    const __m256i one = _mm256_set1_epi8(1);
-    for (int64_t sb = 0; sb < x.n / 256; ++sb, w += tile) {
+    for (int64_t sb = 0; sb < n / 256; ++sb, w += tile) {
       const __m256 d = f16x8(w), dmin = f16x8(w + 16);
-      const uint8_t* planes = w + 32;
       uint64_t p[12];
-      for (int i = 0; i < 12; ++i) p[i] = load_u64(planes + 8 * i);
-      for (int g = 0; g < 4; ++g) {
-        __m256i s_lo = _mm256_setzero_si256(), s_hi = _mm256_setzero_si256();
-        const int8_t* a = x.q + 256 * sb + 64 * g;
+      for (int i = 0; i < 12; ++i) p[i] = load_u64(w + 32 + 8 * i);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {  // sub-block j: values 32j .. 32j + 31
+        const int g = j / 2, half = j % 2;
+        __m256i s[NT];
+        for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
-          const __m256i q =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + qs_at + 256 * g + 32 * c));
-          __m256i lo = _mm256_and_si256(q, low4);
-          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+          const __m256i q = load256(w + qs_at + 256 * g + 32 * c);
+          __m256i v = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, low4);
           if (five) {
-            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * c));
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(
-                _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g)), one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g + 1)), one), 4));
+            const __m256i h = load256(w + 128 + 32 * c);
+            v = _mm256_or_si256(v, bit_to_0x10(h, j));
           }
-          s_lo = dp(s_lo, lo, bcast4(a + 4 * c));
-          s_hi = dp(s_hi, hi, bcast4(a + 32 + 4 * c));
+          for (int t = 0; t < NT; ++t)
+            s[t] = dp(s[t], v, bcast4(x[t].q + 256 * sb + 32 * j + 4 * c));
         }
-        // Sub-blocks 2g and 2g + 1: ggml's get_scale_min_k4 on all 8 rows' bytes at once.
-        for (int half = 0; half < 2; ++half) {
-          const int j = 2 * g + half;
-          constexpr uint64_t m6 = 0x3F3F3F3F3F3F3F3Full, m4 = 0x0F0F0F0F0F0F0F0Full;
-          constexpr uint64_t m2 = 0x0303030303030303ull;
-          uint64_t sc, mn;
-          if (j < 4) {
-            sc = p[j] & m6;
-            mn = p[j + 4] & m6;
-          } else {
-            sc = (p[j + 4] & m4) | (((p[j - 4] >> 6) & m2) << 4);
-            mn = ((p[j + 4] >> 4) & m4) | (((p[j] >> 6) & m2) << 4);
-          }
-          const int64_t b = 8 * sb + j;
-          const __m256 scale = _mm256_mul_ps(_mm256_mul_ps(d, bytes8<false>(sc)), _mm256_set1_ps(x.d[b]));
-          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half ? s_hi : s_lo), scale, acc);
-          off = _mm256_fmadd_ps(_mm256_mul_ps(dmin, bytes8<false>(mn)), _mm256_set1_ps(x.ds[b]), off);
+        // ggml's get_scale_min_k4 on all 8 rows' bytes at once.
+        constexpr uint64_t m6 = 0x3F3F3F3F3F3F3F3Full, m4 = 0x0F0F0F0F0F0F0F0Full;
+        constexpr uint64_t m2 = 0x0303030303030303ull;
+        uint64_t sc, mn;
+        if (j < 4) {
+          sc = p[j] & m6;
+          mn = p[j + 4] & m6;
+        } else {
+          sc = (p[j + 4] & m4) | (((p[j - 4] >> 6) & m2) << 4);
+          mn = ((p[j + 4] >> 4) & m4) | (((p[j] >> 6) & m2) << 4);
+        }
+        const __m256 dsc = _mm256_mul_ps(d, bytes8<false>(sc));
+        const __m256 dmn = _mm256_mul_ps(dmin, bytes8<false>(mn));
+        const int64_t b = 8 * sb + j;
+        for (int t = 0; t < NT; ++t) {
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(dsc, _mm256_set1_ps(x[t].d[b])),
+                                   acc[t]);
+          acc[t] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(x[t].ds[b]), acc[t]);
         }
       }
     }
   } else if constexpr (T == Q6_K) {
     const __m256i two = _mm256_set1_epi8(3);
-    for (int64_t sb = 0; sb < x.n / 256; ++sb, w += 1680) {
+    for (int64_t sb = 0; sb < n / 256; ++sb, w += 1680) {
       const __m256 d = f16x8(w);
-      const uint8_t* planes = w + 16;
-      for (int n = 0; n < 2; ++n) {
-        for (int h = 0; h < 2; ++h) {
-          __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                          _mm256_setzero_si256()};
-          const int8_t* a = x.q + 256 * sb + 128 * n;
-          for (int c = 4 * h; c < 4 * h + 4; ++c) {
-            const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 144 + 512 * n + 32 * c));
-            const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 144 + 512 * n + 32 * (c + 8)));
-            const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 1168 + 256 * n + 32 * c));
-            const __m256i v0 = _mm256_or_si256(_mm256_and_si256(A, low4),
-                                               _mm256_slli_epi16(_mm256_and_si256(H, two), 4));
-            const __m256i v1 = _mm256_or_si256(
-                _mm256_and_si256(B, low4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), two), 4));
-            const __m256i v2 = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(A, 4), low4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), two), 4));
-            const __m256i v3 = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(B, 4), low4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), two), 4));
-            s[0] = dp(s[0], v0, bcast4(a + 4 * c));
-            s[1] = dp(s[1], v1, bcast4(a + 32 + 4 * c));
-            s[2] = dp(s[2], v2, bcast4(a + 64 + 4 * c));
-            s[3] = dp(s[3], v3, bcast4(a + 96 + 4 * c));
-          }
-          for (int v = 0; v < 4; ++v) {
-            const int k = 8 * n + 2 * v + h;  // the scale of these 16 values
-            const int64_t b = 8 * sb + 4 * n + v;
-            const __m256 sc = _mm256_mul_ps(d, bytes8<true>(load_u64(planes + 8 * k)));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[v]), _mm256_mul_ps(sc, _mm256_set1_ps(x.d[b])), acc);
-            off = _mm256_fmadd_ps(
-                sc, _mm256_set1_ps(32.0f * x.d[b] * static_cast<float>(x.s16[2 * b + h])), off);
+      for (int nh = 0; nh < 2; ++nh) {      // half of the super-block: values 128 nh ..
+        for (int h = 0; h < 2; ++h) {       // 16-value halves of its activation blocks
+#pragma GCC unroll 4
+          for (int v = 0; v < 4; ++v) {     // values 128 nh + 32 v + 16 h ..: one scale each
+            const int64_t b = 8 * sb + 4 * nh + v;
+            __m256i s[NT];
+            for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+            for (int c = 4 * h; c < 4 * h + 4; ++c) {
+              const __m256i q = load256(w + 144 + 512 * nh + 32 * (c + 8 * (v % 2)));
+              const __m256i H = load256(w + 1168 + 256 * nh + 32 * c);
+              const __m256i lo = _mm256_and_si256(v < 2 ? q : _mm256_srli_epi16(q, 4), low4);
+              const __m256i hi = _mm256_and_si256(srli16(H, 2 * v), two);
+              const __m256i val = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+              for (int t = 0; t < NT; ++t)
+                s[t] = dp(s[t], val, bcast4(x[t].q + 256 * sb + 128 * nh + 32 * v + 4 * c));
+            }
+            const int k = 8 * nh + 2 * v + h;  // the scale of these 16 values
+            const __m256 sc = _mm256_mul_ps(d, bytes8<true>(load_u64(w + 16 + 8 * k)));
+            for (int t = 0; t < NT; ++t) {
+              acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(sc, _mm256_set1_ps(x[t].d[b])),
+                                       acc[t]);
+              acc[t] = _mm256_fnmadd_ps(
+                  sc, _mm256_set1_ps(32.0f * x[t].d[b] * static_cast<float>(x[t].s16[2 * b + h])),
+                  acc[t]);
+            }
           }
         }
       }
     }
   }
-  _mm256_storeu_ps(y, _mm256_sub_ps(acc, off));
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y[t], acc[t]);
+}
+
+template <int32_t T>
+inline void x8_dot(const uint8_t* w, const Activations& x, float* y) {
+  float* const ys[1] = {y};
+  x8_dot_n<T, 1>(w, &x, ys);
 }
 
 #endif  // JLLAMA_Q_AVX2

@@ -50,7 +50,8 @@ class KernelBuildError(BackendError):
 SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8",
            "jllama_matvec_int8_groups", "jllama_attention_f32", "jllama_sample_f32",
            "jllama_argmax_f32", "jllama_rope_write_f32", "jllama_attention_chunk_f32",
-           "jllama_matvec_ggml", "jllama_dequantize_ggml", "jllama_rows_ggml")
+           "jllama_matvec_ggml", "jllama_dequantize_ggml", "jllama_rows_ggml",
+           "jllama_matmul_ggml")
 """The FFI handlers `matvec.cc` exports; a library lacking one is not used or cached."""
 
 VECTOR_WIDTH = "jllama_vector_width"

@@ -47,6 +47,7 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -776,8 +777,10 @@ struct GgmlProduct {
   int n_parts;
   int64_t unit;  // rows per unit of work: 8 when a part is in an x8 layout (a group), else 1
   int64_t n;
-  const float* x;       // f32[n], after the prologue
-  ggml::Activations qx;  // x quantized, when a part has an integer type
+  const float* x;  // f32[n], after the prologue
+  // x quantized as llama.cpp quantizes it for each part's type (`ggml::activation_kind`), the
+  // kinds some part needs.
+  ggml::Activations qx[ggml::kActivationKinds];
   float* y;
 };
 
@@ -794,7 +797,7 @@ void ggml_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_
       g.y[r] = dot<uint16_t, Stream>(reinterpret_cast<const uint16_t*>(row), g.x, g.n);
     } else {
       if (Stream) prefetch_stream(row, part.row_bytes);
-      g.y[r] = ggml::row_dot<T>(row, g.qx);
+      g.y[r] = ggml::row_dot<T>(row, g.qx[ggml::activation_kind(T)]);
     }
   }
 }
@@ -808,7 +811,7 @@ void ggml_groups(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int6
   for (int64_t r = begin; r < end; r += 8) {
     const uint8_t* group = rows + r * part.row_bytes;
     if (Stream) prefetch_stream(group, group_bytes);
-    ggml::x8_dot<T>(group, g.qx, g.y + r);
+    ggml::x8_dot<T>(group, g.qx[ggml::activation_kind(T)], g.y + r);
   }
 #endif
 }
@@ -903,10 +906,15 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
                             &add);
       e.failure())
     return e;
-  std::unique_ptr<uint8_t[]> scratch;
+  std::unique_ptr<uint8_t[]> scratch[ggml::kActivationKinds];
   if (integer) {
-    scratch.reset(new uint8_t[ggml::activation_bytes(n)]);
-    g.qx = ggml::quantize(g.x, n, scratch.get());
+    for (int k = 0; k < g.n_parts; ++k) {
+      if (!ggml::integer_type(g.parts[k].type)) continue;
+      const int kind = ggml::activation_kind(g.parts[k].type);
+      if (scratch[kind]) continue;
+      scratch[kind].reset(new uint8_t[ggml::activation_bytes(n)]);
+      g.qx[kind] = ggml::quantize(g.x, n, scratch[kind].get(), kind);
+    }
   }
   g.n = n;
   g.y = y->typed_data();
@@ -924,6 +932,128 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
   run(pool, Product{rows_ggml, &g, nullptr, nullptr, g.y, cost}, m / g.unit);
   if (add != nullptr)
     for (int64_t i = 0; i < m; ++i) g.y[i] = add[i] + g.y[i];
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Products of GGML parts with the T tokens of a prefill chunk (`jllama_matmul_ggml`): x f32[T, n]
+// -> y f32[T, m], y[t] = W x[t] with each token's activations quantized as in a decode step, so a
+// prompt token's values are those a decode step computes for it. Work comes in units of 8 rows
+// (a group, for x8 parts) over all tokens, 4 tokens at a time: a group's weights are decoded
+// once for 4 tokens (`ggml::x8_dot_n`) and stay in L1 while the tokens' activations stream.
+
+struct GgmlMatmul {
+  GgmlPart parts[kMaxParts];
+  int n_parts;
+  int64_t unit, n, m, tokens;
+  const float* x;                                               // f32[T, n]
+  std::vector<ggml::Activations> qx[ggml::kActivationKinds];   // per kind: one per token
+  float* y;                                                     // f32[T, m]
+};
+
+template <int32_t T, int NT>
+void matmul_group(const GgmlMatmul& g, const GgmlPart& part, const uint8_t* group, int64_t r,
+                  int64_t t0) {
+#if JLLAMA_Q_AVX2
+  const ggml::Activations* xs = &g.qx[ggml::activation_kind(T)][t0];
+  float* ys[NT];
+  for (int t = 0; t < NT; ++t) ys[t] = g.y + (t0 + t) * g.m + r;
+  ggml::x8_dot_n<T, NT>(group, xs, ys);
+#endif
+}
+
+template <int32_t T>
+void matmul_groups(const GgmlMatmul& g, const GgmlPart& part, int64_t begin, int64_t end) {
+#if JLLAMA_Q_AVX2
+  const uint8_t* rows = part.data - part.first * part.row_bytes;
+  for (int64_t r = begin; r < end; r += 8) {
+    const uint8_t* group = rows + r * part.row_bytes;
+    int64_t t = 0;
+    for (; t + 4 <= g.tokens; t += 4) matmul_group<T, 4>(g, part, group, r, t);
+    switch (g.tokens - t) {
+      case 3: matmul_group<T, 3>(g, part, group, r, t); break;
+      case 2: matmul_group<T, 2>(g, part, group, r, t); break;
+      case 1: matmul_group<T, 1>(g, part, group, r, t); break;
+      default: break;
+    }
+  }
+#endif
+}
+
+// A part in the row layout (or of a float type): one token at a time, as the decode kernel.
+void matmul_rows(const GgmlMatmul& g, const GgmlPart& part, int64_t begin, int64_t end) {
+  GgmlProduct one{};
+  one.parts[0] = part;
+  one.n_parts = 1;
+  one.unit = 1;
+  one.n = g.n;
+  for (int64_t t = 0; t < g.tokens; ++t) {
+    one.x = g.x + t * g.n;
+    for (int k = 0; k < ggml::kActivationKinds; ++k)
+      if (!g.qx[k].empty()) one.qx[k] = g.qx[k][t];
+    one.y = g.y + t * g.m;
+    ggml_part_rows<false>(one, part, begin, end);
+  }
+}
+
+void rows_matmul(const Product& p, int64_t begin, int64_t end) {
+  const GgmlMatmul& g = *static_cast<const GgmlMatmul*>(p.w);
+  begin *= g.unit, end *= g.unit;
+  constexpr int32_t X = ggml::kX8;
+  for (int k = 0; k < g.n_parts; ++k) {
+    const GgmlPart& part = g.parts[k];
+    const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
+    if (lo >= hi) continue;
+    switch (part.type) {
+      case X + ggml::Q8_0: matmul_groups<ggml::Q8_0>(g, part, lo, hi); break;
+      case X + ggml::Q4_0: matmul_groups<ggml::Q4_0>(g, part, lo, hi); break;
+      case X + ggml::Q4_1: matmul_groups<ggml::Q4_1>(g, part, lo, hi); break;
+      case X + ggml::Q5_0: matmul_groups<ggml::Q5_0>(g, part, lo, hi); break;
+      case X + ggml::Q5_1: matmul_groups<ggml::Q5_1>(g, part, lo, hi); break;
+      case X + ggml::Q4_K: matmul_groups<ggml::Q4_K>(g, part, lo, hi); break;
+      case X + ggml::Q5_K: matmul_groups<ggml::Q5_K>(g, part, lo, hi); break;
+      case X + ggml::Q6_K: matmul_groups<ggml::Q6_K>(g, part, lo, hi); break;
+      default: matmul_rows(g, part, lo, hi); break;
+    }
+  }
+}
+
+ffi::Error MatmulGgml(ffi::ThreadPool pool, F32Matrix x, ffi::RemainingArgs args, F32MatrixResult y,
+                      ffi::Span<const int32_t> types) {
+  const int64_t tokens = x.dimensions()[0], n = x.dimensions()[1];
+  GgmlProduct checked{};
+  int64_t m, bytes;
+  bool integer;
+  if (args.size() != types.size())
+    return ffi::Error::InvalidArgument("jllama matmul_ggml: one type per part");
+  if (ffi::Error e = ggml_parts(args, types, n, checked, &m, &bytes, &integer); e.failure()) return e;
+  if (y->dimensions()[0] != tokens || y->dimensions()[1] != m)
+    return ffi::Error::InvalidArgument("jllama matmul_ggml: y must be f32[T, rows of all parts]");
+  GgmlMatmul g;
+  std::copy(checked.parts, checked.parts + kMaxParts, g.parts);
+  g.n_parts = checked.n_parts;
+  g.n = n, g.m = m, g.tokens = tokens, g.x = x.typed_data(), g.y = y->typed_data();
+  g.unit = 1;
+  for (int k = 0; k < g.n_parts; ++k)
+    if (ggml::x8_type(g.parts[k].type)) g.unit = 8;
+  if (g.unit == 8)
+    for (int k = 0; k < g.n_parts; ++k)
+      if (g.parts[k].rows % 8 != 0)
+        return ffi::Error::InvalidArgument(
+            "jllama matmul_ggml: with an x8 part, every part's rows must be a multiple of 8");
+  std::unique_ptr<uint8_t[]> scratch[ggml::kActivationKinds];
+  const int64_t per_token = ggml::activation_bytes(n);
+  for (int k = 0; k < g.n_parts; ++k) {
+    if (!ggml::integer_type(g.parts[k].type)) continue;
+    const int kind = ggml::activation_kind(g.parts[k].type);
+    if (scratch[kind]) continue;
+    scratch[kind].reset(new uint8_t[per_token * tokens]);
+    g.qx[kind].resize(tokens);
+    for (int64_t t = 0; t < tokens; ++t)
+      g.qx[kind][t] = ggml::quantize(g.x + t * n, n, scratch[kind].get() + t * per_token, kind);
+  }
+  const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m)) * g.unit * tokens;
+  run(pool, Product{rows_matmul, &g, nullptr, nullptr, g.y, cost}, m / g.unit);
   return ffi::Error::Success();
 }
 
@@ -1659,6 +1789,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_ggml, MatvecGgml,
                                   .Attr<int32_t>("prologue")
                                   .Attr<float>("eps")
                                   .Attr<int32_t>("residual"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matmul_ggml, MatmulGgml,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Matrix>()
+                                  .RemainingArgs()
+                                  .Ret<F32Matrix>()
+                                  .Attr<ffi::Span<const int32_t>>("types"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_dequantize_ggml, DequantizeGgml,
                               ffi::Ffi::Bind()
