@@ -119,10 +119,11 @@ flags.DEFINE_bool(
 flags.DEFINE_enum(
     "dtype",
     "auto",
-    ["auto", "float32", "bfloat16", "int8"],
-    "Type to hold the weight matrices in: auto = as read (float32 for llama2.c and GGUF files, "
-    "the stored type for Hugging Face folders); bfloat16 halves the memory; int8 quarters it "
-    "(one float32 scale per row; see README for its speed and accuracy).",
+    ["auto", "float32", "bfloat16", "int8", "q4"],
+    "Type to hold the weight matrices in: auto = as stored (a GGUF's quantized blocks as they "
+    "are, float32 for llama2.c files, the stored type for Hugging Face folders); bfloat16 halves "
+    "f32's memory; int8 quarters it (one float32 scale per row; a GGUF's blocks become Q8_0); "
+    "q4 is llama.cpp's Q4_0 blocks, about an eighth (see README for speed and accuracy).",
 )
 flags.DEFINE_enum(
     "decode",
