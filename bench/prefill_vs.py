@@ -53,7 +53,8 @@ def child(args: argparse.Namespace) -> int:
     from jllama.loading import open_model
 
     try:
-        model = open_model(args.checkpoint, need_tokenizer=False, dtype=args.dtype,
+        model = open_model(args.checkpoint, need_tokenizer=False,
+                           dtype=None if args.dtype == "stored" else args.dtype,
                            seq_len=args.seq_len)
         backend = make_backend("jax")
         backend.prepare(model.config, model.weights)
@@ -191,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         raise BenchError(f"--tokens={args.tokens} is more than --seq_len={args.seq_len}")
     other = check_vs(args.vs, tokens=str(args.tokens))
     key = {"checkpoint": args.checkpoint, "dtype": args.dtype, "tokens": args.tokens}
+    from run import machine_facts
+
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
+                if l.startswith("model name")), "") if os.path.exists("/proc/cpuinfo") else ""
+    print(json.dumps({"metric": "machine", "cpu": cpu, "cpus": len(os.sched_getaffinity(0)),
+                      "loadavg": list(os.getloadavg()),
+                      **machine_facts(HERE / ".cache")}), flush=True)
     ratios = []
     for rep in range(args.reps):
         ours = run_jllama(args)

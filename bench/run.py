@@ -243,7 +243,41 @@ def meta(args: argparse.Namespace) -> dict:
         "host": platform.node(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0)),
         "loadavg": list(os.getloadavg()), "python": platform.python_version(),
         "jax": version("jax"), "numpy": version("numpy"), "git": git, "args": vars(args),
+        **machine_facts(Path(getattr(args, "cache", HERE / ".cache"))),
     }
+
+
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx_vnni", "avx512_bf16", "amx_int8")
+"""The CPU flags that decide which of jllama's (and llama.cpp's) kernels run."""
+
+
+def machine_facts(cache: Path) -> dict:
+    """What a speed figure depends on beyond the CPU's name: its SIMD flags, the -march jllama's
+    kernels are built for ($JLLAMA_MARCH, else native) and whether they prefetch, and the read
+    bandwidth two threads get here now (bench/stream_read.cc, as bench/ceiling.py: "read_gb_s"
+    is its best way of reading, "read_plain_gb_s" plain loads; null with the reason when it
+    cannot be measured)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((l for l in f if l.startswith("flags")), "")
+        flags = set(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    from jllama.kernels import library
+
+    out = {"cpu_flags": [f for f in SIMD_FLAGS if f in flags],
+           "kernel_march": os.environ.get(library.MARCH_ENV) or "native",
+           "kernel_prefetch": library.prefetch()}
+    try:
+        from ceiling import _read_bandwidth, build
+
+        read = _read_bandwidth(build(cache), 400_000_000)
+        out.update(read_gb_s=read["best_gb_s"], read_plain_gb_s=read.get("plain_huge_gb_s"))
+    except Exception as e:  # noqa: BLE001  (a figure the meta line can go without)
+        out.update(read_gb_s=None, read_error=str(e))
+    return out
 
 
 def run_worker(args: argparse.Namespace, checkpoint: Path, backend: str, dtype: str) -> dict:
@@ -354,7 +388,9 @@ def bench_shape(args, name: str, emit: Emitter) -> None:
             from jllama.formats.llama2c import read_header
 
             other_file = shapes_mod.llama2c_checkpoint(shape, cache)
-            tokenizer = shapes_mod.placeholder_tokenizer(read_header(other_file).vocab_size, cache)
+            tokenizer = (other_file if shape.kind == "file"  # a GGUF holds its vocabulary
+                         else shapes_mod.placeholder_tokenizer(read_header(other_file).vocab_size,
+                                                               cache))
             vs_argvs = [
                 vs_mod.expand(c, checkpoint=str(other_file), tokenizer=str(tokenizer))
                 for c in args.vs

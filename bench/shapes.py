@@ -7,6 +7,9 @@ version-0 files (what run.c reads) into the cache folder and reused.
 
 Two shapes are real models: `stories260K` (the checkpoint shipped inside jllama, for smoke
 tests) and `smollm2` (SmolLM2-135M-Instruct, the GGUF `jllama.fetch.fetch("smollm2")` brings).
+Any GGUF file is a shape too, named by its path (`--shapes=path/to/model-Q4_K_M.gguf`): the
+same file is what a `--vs` program such as llama.cpp's llama-bench reads, so both run the very
+same weights.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ class Shape:
 
     Attributes:
       name: what `--shapes` takes.
-      kind: "random" (random weights of `dims`), "embedded" (jllama's stories260K) or
-        "known" (a `jllama.fetch` model).
+      kind: "random" (random weights of `dims`), "embedded" (jllama's stories260K), "known"
+        (a `jllama.fetch` model) or "file" (a GGUF file at `path`).
       dims: (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len) for
         "random" shapes, else None.
       shared_weights: the classifier is the embedding table (llama2.c's stories models) or a
@@ -40,6 +43,7 @@ class Shape:
     dims: tuple[int, int, int, int, int, int, int] | None = None
     shared_weights: bool = True
     on_request: bool = False
+    path: str | None = None
 
     def config(self) -> ModelConfig:
         """The `ModelConfig` of a "random" shape."""
@@ -71,11 +75,17 @@ DEFAULT_SHAPES = ("stories15M", "stories110M")
 
 
 def get_shape(name: str) -> Shape:
-    """The shape called `name`; ValueError naming the known ones otherwise."""
+    """The shape called `name`, or a GGUF file's (a name ending in .gguf); ValueError naming
+    the known ones otherwise, or a GGUF file that is not there."""
+    if name.lower().endswith(".gguf"):
+        if not Path(name).is_file():
+            raise ValueError(f"shape {name!r}: no such GGUF file")
+        return Shape(name, "file", path=name)
     try:
         return SHAPES[name]
     except KeyError:
-        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}") from None
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}, or a .gguf "
+                         "file") from None
 
 
 def checkpoint(shape: Shape, cache: Path) -> Path:
@@ -89,6 +99,8 @@ def checkpoint(shape: Shape, cache: Path) -> Path:
         from jllama.loading import embedded_checkpoint
 
         return embedded_checkpoint()
+    if shape.kind == "file":
+        return Path(shape.path)
     if shape.kind == "known":
         from jllama.fetch import fetch
 
@@ -113,7 +125,7 @@ def llama2c_checkpoint(shape: Shape, cache: Path) -> Path:
     rope_theta (100000), so run.c computes a slightly different model from it with exactly
     the same amount of work, which is what a speed comparison needs.
     """
-    if shape.kind != "known":
+    if shape.kind != "known":  # a GGUF file shape: the file itself (for GGUF readers)
         return checkpoint(shape, cache)
     from jllama.formats.llama2c import checkpoint_nbytes, write_checkpoint
     from jllama.loading import open_model

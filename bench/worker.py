@@ -38,8 +38,9 @@ import time
 
 import numpy as np
 
-DTYPES = ("float32", "bfloat16", "int8")
-"""What --dtype takes (`jllama.loading.open_model`'s dtypes)."""
+DTYPES = ("float32", "bfloat16", "int8", "q4", "stored")
+"""What --dtype takes: `jllama.loading.open_model`'s dtypes, and "stored" for the weights as the
+file stores them (a GGUF's quantized blocks; open_model's dtype None)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -244,7 +245,8 @@ def measure(args: argparse.Namespace) -> dict:
     compiles = _count_compiles()
     start = time.perf_counter()
     model = open_model(
-        args.checkpoint, need_tokenizer=False, dtype=args.dtype, seq_len=args.seq_len or None
+        args.checkpoint, need_tokenizer=False,
+        dtype=None if args.dtype == "stored" else args.dtype, seq_len=args.seq_len or None
     )
     out["load_s"] = time.perf_counter() - start
     config = model.config

@@ -103,10 +103,11 @@ def test_tokenize_llama2c_model_gives_run_c_ids():
 
 
 def test_raw_completion_json_matches_llama_cpp(smollm2_gguf):
+    # llama.cpp's "greedy" oracle ran on the weights widened to F32: so does --dtype=float32.
     case = load_json("smollm2_llamacpp.json")["greedy"][1]
     steps = len(case["prompt_ids"]) + 31
     result = run(f"--checkpoint={smollm2_gguf}", f"--prompt={case['prompt']}", "--temperature=0",
-                 f"--steps={steps}", "--output_format=json", "--seq_len=256")
+                 f"--steps={steps}", "--output_format=json", "--seq_len=256", "--dtype=float32")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["prompt_ids"] == case["prompt_ids"]
@@ -116,7 +117,7 @@ def test_raw_completion_json_matches_llama_cpp(smollm2_gguf):
 def test_raw_completion_text_echoes_the_prompt(smollm2_gguf):
     case = load_json("smollm2_llamacpp.json")["greedy"][1]  # stops at an end token at 29
     result = run(f"--checkpoint={smollm2_gguf}", f"--prompt={case['prompt']}", "--temperature=0",
-                 "--steps=100", "--seq_len=256")
+                 "--steps=100", "--seq_len=256", "--dtype=float32")
     assert result.returncode == 0, result.stderr
     assert result.stdout == case["prompt"] + case["generated_text"] + "\n"
 

@@ -235,6 +235,21 @@ inline float dot_head(const float* a, const float* b, int64_t n) {
                           acc);
   }
   return halve16(acc);
+#elif JLLAMA_AVX2
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
+  }
+  if (d < n) {  // zero-padded: lanes past the end add 0 * 0
+    float at[16] = {0}, bt[16] = {0};
+    std::memcpy(at, a + d, sizeof(float) * (n - d));
+    std::memcpy(bt, b + d, sizeof(float) * (n - d));
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(at), _mm256_loadu_ps(bt), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(at + 8), _mm256_loadu_ps(bt + 8), hi);
+  }
+  return halve16(lo, hi);
 #else
   float acc[16] = {0};
   for (int64_t d = 0; d < n; ++d) acc[d % 16] += a[d] * b[d];
@@ -1159,15 +1174,17 @@ struct Attention {
   int64_t n_kv, kv_mul, head_dim, pos;
 };
 
-// The query heads of key heads [begin, end): one thread per key head, so the result does not
-// depend on the thread count.
+// Query heads [begin, end) (head u = g * kv_mul + m attends with key head g): one thread per
+// query head, so the result does not depend on the thread count. (One per key head left a
+// thread idle a third of the time on SmolLM2's 3 key heads and 2 threads.)
 void attention_heads(const Product& p, int64_t begin, int64_t end) {
   const Attention& a = *static_cast<const Attention*>(p.w);
   const int64_t len = a.pos + 1, hd = a.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::unique_ptr<float[]> scores(new float[len]);
-  for (int64_t g = begin; g < end; ++g) {
-    for (int64_t m = 0; m < a.kv_mul; ++m) {
+  for (int64_t u = begin; u < end; ++u) {
+    {
+      const int64_t g = u / a.kv_mul, m = u % a.kv_mul;
       const float* q = a.q + (g * a.kv_mul + m) * hd;
       float* out = a.out + (g * a.kv_mul + m) * hd;
       float top = -INFINITY;
@@ -1186,6 +1203,18 @@ void attention_heads(const Product& p, int64_t begin, int64_t end) {
         sum = _mm512_add_ps(sum, e);
       }
       _mm512_storeu_ps(lanes, sum);
+#elif JLLAMA_AVX2
+      __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+      for (; t + 16 <= len; t += 16) {
+        const __m256 lo = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t]), _mm256_set1_ps(top)));
+        const __m256 hi = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t + 8]), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(&scores[t], lo);
+        _mm256_storeu_ps(&scores[t + 8], hi);
+        sum_lo = _mm256_add_ps(sum_lo, lo);
+        sum_hi = _mm256_add_ps(sum_hi, hi);
+      }
+      _mm256_storeu_ps(lanes, sum_lo);
+      _mm256_storeu_ps(lanes + 8, sum_hi);
 #endif
       for (; t < len; ++t) {
         scores[t] = std::exp(scores[t] - top);
@@ -1232,8 +1261,9 @@ ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
               Cache{ptrs.get(), key_cur.typed_data(), *cur.typed_data(), block},
               Cache{ptrs.get() + n, value_cur.typed_data(), *cur.typed_data(), block},
               n_kv, kv_mul, hd, p};
-  // One "row" per key head; its work is the positions' keys and values it reads.
-  run(pool, Product{attention_heads, &a, nullptr, nullptr, nullptr, 2 * (p + 1) * hd}, n_kv);
+  // One "row" per query head; its work is the positions' keys and values it reads.
+  run(pool, Product{attention_heads, &a, nullptr, nullptr, nullptr, 2 * (p + 1) * hd},
+      n_kv * kv_mul);
   return ffi::Error::Success();
 }
 
