@@ -8,6 +8,7 @@ stories260K's prefill) against fake `--vs` programs written into tmp_path.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -250,8 +251,11 @@ def test_prefill_vs_measures_against_a_fake_llama_bench(tmp_path):
                       "--runs=1")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 2 and '"vs": 1000.0' in lines[0]
-    assert '"metric": "prefill_64_ratio_vs"' in lines[1]
+    # The machine first (CPU flags, the kernels' build, the read bandwidth), then the pair.
+    machine = json.loads(lines[0])
+    assert machine["metric"] == "machine" and machine["cpus"] >= 1 and "cpu_flags" in machine
+    assert len(lines) == 3 and '"vs": 1000.0' in lines[1]
+    assert '"metric": "prefill_64_ratio_vs"' in lines[2]
 
 
 @pytest.mark.parametrize("n, status, words", [

@@ -14,6 +14,7 @@ from test_cli import run
 from jllama.backends import make_backend
 from jllama.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError, JllamaError
+from jllama.formats import ggml_quants
 from jllama.formats.gguf import read_gguf
 from jllama.loading import open_model
 from jllama.weights import random_weights
@@ -77,19 +78,16 @@ def test_quantized_tensors_equal_the_gguf_packages_dequantize(tmp_path, tiny_wei
 
 
 def q8_activations_reference(monkeypatch):
-    """The NumPy reference with every product's x quantized as the kernels quantize it for
-    GGML weights (gguf's Q8_0 quantizer, the step max|block| / 127 in float32), float64 sums:
-    what jllama's kernels compute, from an independent implementation."""
+    """The NumPy reference with every product's x quantized as llama.cpp quantizes it for Q8_0
+    weights (tests/q8_reference.py), float64 sums: what jllama's kernels compute, from an
+    independent implementation."""
     import jllama.backends.numpy_ref as numpy_ref
 
-    def quantized(x):
-        x = np.asarray(x, np.float32)
-        q = gguf.quants.quantize(x[None], Q.Q8_0).reshape(-1, 34)[:, 2:].view(np.int8)
-        d = np.max(np.abs(x.reshape(-1, 32)), axis=1) / np.float32(127)
-        return (q.astype(np.float64) * d.astype(np.float64)[:, None]).reshape(-1)
+    from q8_reference import quantized_x
 
-    monkeypatch.setattr(numpy_ref, "matmul",
-                        lambda w, x: (np.asarray(w, np.float64) @ quantized(x)).astype(np.float32))
+    monkeypatch.setattr(numpy_ref, "matmul", lambda w, x: (
+        np.asarray(w, np.float64) @ quantized_x(np.asarray(x, np.float32), ggml_quants.Q8_0)
+    ).astype(np.float32))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])

@@ -188,7 +188,7 @@ def test_smollm2_matches_llama_perplexity(smollm2_gguf):
     cases = [case for case in oracle["f32"] if case["ctx"] in (128, 65)]
     assert len(cases) == 2
     longest = max(case["ctx"] for case in cases)
-    model = open_model(smollm2_gguf, seq_len=longest)
+    model = open_model(smollm2_gguf, seq_len=longest, dtype="float32")  # the widened weights
     backend = make_backend("jax", decode="graph")
     backend.prepare(model.config, model.weights)
     tokens = model.tokenizer.encode(ppl.read_text(TEXT_FILE))
