@@ -161,7 +161,7 @@ def run_jllama(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jllama.weights import DTYPES
+    from worker import DTYPES  # jllama's dtypes and "stored" (the file's own blocks)
 
     p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True)

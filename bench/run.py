@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--shapes", default=",".join(shapes_mod.DEFAULT_SHAPES),
-                   help=f"comma-separated, of: {', '.join(shapes_mod.SHAPES)}")
+                   help=f"comma-separated, of: {', '.join(shapes_mod.SHAPES)}, or .gguf files")
     p.add_argument("--backends", default="jax,numpy",
                    help='comma-separated; NAME:KEY=VALUE passes an option to the backend, e.g. '
                         '"jax:decode=fused" (jax: decode, matvec, devices; numpy: none)')
@@ -134,9 +134,10 @@ def check_args(args: argparse.Namespace) -> None:
     naming the flag at the first bad one, so no worker is started to fail on it."""
     positive_int("--reps", args.reps)
     for shape in _at_least_one("--shapes", args.shapes):
-        if shape not in shapes_mod.SHAPES:
-            raise BenchError(f"--shapes: unknown shape {shape!r}; known: "
-                             f"{', '.join(shapes_mod.SHAPES)}")
+        try:
+            shapes_mod.get_shape(shape)
+        except ValueError as e:
+            raise BenchError(f"--shapes: {e}") from None
     for dtype in _at_least_one("--dtypes", args.dtypes):
         if dtype not in worker_mod.DTYPES:
             raise BenchError(f"--dtypes: unknown dtype {dtype!r}; known: "

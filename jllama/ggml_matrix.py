@@ -339,3 +339,14 @@ def repacked(m):
             return RowStack(tuple(repacked(p) for p in m.parts))
         return m
     return m
+
+
+def gate_up(w1, w3):
+    """w1 and w3 (SwiGLU's gate and up projections, [hidden_dim, dim] each) as one RowStack, so
+    one kernel call computes both from one RMSNorm and one quantization of x; None unless both
+    are GGMLMatrix (of any types, both in x8 layouts or both not)."""
+    if not (isinstance(w1, GGMLMatrix) and isinstance(w3, GGMLMatrix)):
+        return None
+    if w1.repacked != w3.repacked or w1.data.ndim != 2 or w3.data.ndim != 2:
+        return None
+    return RowStack((w1, w3))

@@ -8,6 +8,7 @@ import functools
 import jax
 
 from jllama.config import ModelConfig
+from jllama.ggml_matrix import gate_up
 from jllama.graphs.ops import norm_matmul, residual_matmul, residual_swiglu_matmul
 
 
@@ -45,6 +46,11 @@ def block(
         x = residual_matmul(x, wo, att, matvec)
     with jax.named_scope("ffn"):
         eps = config.norm_eps
-        up = norm_matmul(w1, x, rms_ffn_weight, eps, matvec)
-        gate = norm_matmul(w3, x, rms_ffn_weight, eps, matvec)
+        both = gate_up(w1, w3)
+        if both is not None:  # GGML blocks: one kernel call, one RMSNorm, x quantized once
+            out = norm_matmul(both, x, rms_ffn_weight, eps, matvec)
+            up, gate = out[: config.hidden_dim], out[config.hidden_dim :]
+        else:
+            up = norm_matmul(w1, x, rms_ffn_weight, eps, matvec)
+            gate = norm_matmul(w3, x, rms_ffn_weight, eps, matvec)
         return residual_swiglu_matmul(x, w2, up, gate, matvec)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jllama import kernels
 from jllama.config import ModelConfig
 from jllama.graphs.ops import PRECISION, split_qkv
-from jllama.ggml_matrix import is_ggml
+from jllama.ggml_matrix import gate_up, is_ggml
 from jllama.quant import Int8Matrix
 
 
@@ -202,7 +202,13 @@ def block_chunk(
         x = x + _rows_matmul(att, wo)
     with jax.named_scope("ffn_chunk"):
         h = _rmsnorm_rows(x, rms_ffn_weight, config.norm_eps)
-        return x + _rows_matmul(jax.nn.silu(_rows_matmul(h, w1)) * _rows_matmul(h, w3), w2)
+        both = gate_up(w1, w3)
+        if both is not None:  # GGML blocks: one kernel call, x quantized once
+            up = kernels.matmul(both, h)
+            a, b = up[:, : config.hidden_dim], up[:, config.hidden_dim :]
+        else:
+            a, b = _rows_matmul(h, w1), _rows_matmul(h, w3)
+        return x + _rows_matmul(jax.nn.silu(a) * b, w2)
 
 
 @functools.partial(jax.jit, static_argnums=0)

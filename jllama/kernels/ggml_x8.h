@@ -117,6 +117,10 @@ inline void x8_row(int32_t type, const uint8_t* group, int r, int64_t n, const i
 
 #if JLLAMA_Q_AVX2
 
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define JLLAMA_Q_VNNI 1  // dpbusd: u8 x s8 products summed in int32, no 16-bit saturation
+#endif
+
 inline __m256i dp(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, u, s);
@@ -200,15 +204,29 @@ inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
     for (int64_t b = 0; b < n / 32; ++b, w += 272) {
       __m256i s[NT];
       for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {
-        const __m256i q = load256(w + 16 + 32 * k), u = _mm256_sign_epi8(q, q);
+        const __m256i q = load256(w + 16 + 32 * k);
+#if JLLAMA_Q_VNNI
+        // q + 128 as unsigned (one xor for all tokens); the 128 * sum(a) it adds is taken off
+        // below, in integers.
+        const __m256i u = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+        for (int t = 0; t < NT; ++t) s[t] = dp(s[t], u, bcast4(x[t].q + 32 * b + 4 * k));
+#else
+        const __m256i u = _mm256_sign_epi8(q, q);
         for (int t = 0; t < NT; ++t)
           s[t] = dp(s[t], u, _mm256_sign_epi8(bcast4(x[t].q + 32 * b + 4 * k), q));
+#endif
       }
       const __m256 d = f16x8(w);
-      for (int t = 0; t < NT; ++t)
+      for (int t = 0; t < NT; ++t) {
+#if JLLAMA_Q_VNNI
+        const int32_t sum = x[t].s16[2 * b] + x[t].s16[2 * b + 1];
+        s[t] = _mm256_sub_epi32(s[t], _mm256_set1_epi32(128 * sum));
+#endif
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
                                  acc[t]);
+      }
     }
   } else if constexpr (T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1) {
     constexpr bool min = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;

@@ -1033,6 +1033,23 @@ void rows_matmul(const Product& p, int64_t begin, int64_t end) {
   }
 }
 
+// The activations of tokens [begin, end) of a GgmlMatmul, each kind with scratch.
+struct QuantizeTokens {
+  GgmlMatmul* g;
+  uint8_t* scratch[ggml::kActivationKinds];
+  int64_t per_token;
+};
+
+void quantize_tokens(const Product& p, int64_t begin, int64_t end) {
+  const QuantizeTokens& q = *static_cast<const QuantizeTokens*>(p.w);
+  GgmlMatmul& g = *q.g;
+  for (int kind = 0; kind < ggml::kActivationKinds; ++kind) {
+    if (q.scratch[kind] == nullptr) continue;
+    for (int64_t t = begin; t < end; ++t)
+      g.qx[kind][t] = ggml::quantize(g.x + t * g.n, g.n, q.scratch[kind] + t * q.per_token, kind);
+  }
+}
+
 ffi::Error MatmulGgml(ffi::ThreadPool pool, F32Matrix x, ffi::RemainingArgs args, F32MatrixResult y,
                       ffi::Span<const int32_t> types) {
   const int64_t tokens = x.dimensions()[0], n = x.dimensions()[1];
@@ -1057,16 +1074,18 @@ ffi::Error MatmulGgml(ffi::ThreadPool pool, F32Matrix x, ffi::RemainingArgs args
         return ffi::Error::InvalidArgument(
             "jllama matmul_ggml: with an x8 part, every part's rows must be a multiple of 8");
   std::unique_ptr<uint8_t[]> scratch[ggml::kActivationKinds];
-  const int64_t per_token = ggml::activation_bytes(n);
+  QuantizeTokens quantizing{&g, {}, ggml::activation_bytes(n)};
   for (int k = 0; k < g.n_parts; ++k) {
     if (!ggml::integer_type(g.parts[k].type)) continue;
     const int kind = ggml::activation_kind(g.parts[k].type);
     if (scratch[kind]) continue;
-    scratch[kind].reset(new uint8_t[per_token * tokens]);
+    scratch[kind].reset(new uint8_t[quantizing.per_token * tokens]);
     g.qx[kind].resize(tokens);
-    for (int64_t t = 0; t < tokens; ++t)
-      g.qx[kind][t] = ggml::quantize(g.x + t * n, n, scratch[kind].get() + t * per_token, kind);
+    quantizing.scratch[kind] = scratch[kind].get();
   }
+  // The tokens' activations, split over the threads as the product is (a prefill chunk's are
+  // a few hundred thousand values: single-threaded, 10-15% of the chunk's products).
+  run(pool, Product{quantize_tokens, &quantizing, nullptr, nullptr, nullptr, 8 * n}, tokens);
   const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m)) * g.unit * tokens;
   run(pool, Product{rows_matmul, &g, nullptr, nullptr, g.y, cost}, m / g.unit);
   return ffi::Error::Success();
