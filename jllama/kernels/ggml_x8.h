@@ -131,6 +131,41 @@ inline __m256i dp(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// Without VNNI (AVX2's maddubs: u8 x s8 pairs summed into int16, then madd into int32), the
+// int16 pair sums of `Every` consecutive registers are added before they are widened: a pair is
+// at most 2 * 15 * 127 = 3810 for 4-bit values (8 registers fit in int16), 7874 for 5-bit (4),
+// 16002 for 6-bit (2). With VNNI each register goes straight into int32. The integer sums are
+// the same either way.
+template <int Every>
+struct Dots {
+  __m256i s = _mm256_setzero_si256();  // int32 lanes
+#if !JLLAMA_Q_VNNI
+  __m256i p = _mm256_setzero_si256();  // int16 pair sums not yet widened
+  int pending = 0;
+#endif
+  inline void add(__m256i u, __m256i a) {
+#if JLLAMA_Q_VNNI
+    s = dp(s, u, a);
+#else
+    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, a));
+    if (++pending == Every) flush();
+#endif
+  }
+  inline void flush() {
+#if !JLLAMA_Q_VNNI
+    if (pending) {
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+      p = _mm256_setzero_si256();
+      pending = 0;
+    }
+#endif
+  }
+  inline __m256i sums() {
+    flush();
+    return s;
+  }
+};
+
 // The 4 activations at p in every 32-bit lane.
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -234,21 +269,20 @@ inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
     constexpr int64_t tile = qs_at + 128;
     constexpr float offset = T == Q4_0 ? 8.0f : T == Q5_0 ? 16.0f : 0.0f;
     for (int64_t b = 0; b < n / 32; ++b, w += tile) {
-      __m256i s[NT];
-      for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+      Dots<five ? 4 : 8> s[NT];
       const __m256i qh = five ? load256(w + qh_at) : _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3 of the 8 rows
         const __m256i q = load256(w + qs_at + 32 * (k % 4));
         __m256i v = _mm256_and_si256(k < 4 ? q : _mm256_srli_epi16(q, 4), low4);
         if (five) v = _mm256_or_si256(v, bit_to_0x10(qh, k));
-        for (int t = 0; t < NT; ++t) s[t] = dp(s[t], v, bcast4(x[t].q + 32 * b + 4 * k));
+        for (int t = 0; t < NT; ++t) s[t].add(v, bcast4(x[t].q + 32 * b + 4 * k));
       }
       const __m256 d = f16x8(w);
       const __m256 m = min ? f16x8(w + 16) : _mm256_setzero_ps();
       for (int t = 0; t < NT; ++t) {
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
-                                 acc[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t].sums()),
+                                 _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), acc[t]);
         if (min) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].ds[b]), acc[t]);
         else acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(offset * x[t].ds[b]), acc[t]);
       }
@@ -263,8 +297,7 @@ inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {  // sub-block j: values 32j .. 32j + 31
         const int g = j / 2, half = j % 2;
-        __m256i s[NT];
-        for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+        Dots<five ? 4 : 8> s[NT];
         for (int c = 0; c < 8; ++c) {
           const __m256i q = load256(w + qs_at + 256 * g + 32 * c);
           __m256i v = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, low4);
@@ -272,8 +305,7 @@ inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
             const __m256i h = load256(w + 128 + 32 * c);
             v = _mm256_or_si256(v, bit_to_0x10(h, j));
           }
-          for (int t = 0; t < NT; ++t)
-            s[t] = dp(s[t], v, bcast4(x[t].q + 256 * sb + 32 * j + 4 * c));
+          for (int t = 0; t < NT; ++t) s[t].add(v, bcast4(x[t].q + 256 * sb + 32 * j + 4 * c));
         }
         // ggml's get_scale_min_k4 on all 8 rows' bytes at once.
         constexpr uint64_t m6 = 0x3F3F3F3F3F3F3F3Full, m4 = 0x0F0F0F0F0F0F0F0Full;
@@ -290,8 +322,8 @@ inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
         const __m256 dmn = _mm256_mul_ps(dmin, bytes8<false>(mn));
         const int64_t b = 8 * sb + j;
         for (int t = 0; t < NT; ++t) {
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(dsc, _mm256_set1_ps(x[t].d[b])),
-                                   acc[t]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t].sums()),
+                                   _mm256_mul_ps(dsc, _mm256_set1_ps(x[t].d[b])), acc[t]);
           acc[t] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(x[t].ds[b]), acc[t]);
         }
       }
@@ -305,8 +337,7 @@ inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
 #pragma GCC unroll 4
           for (int v = 0; v < 4; ++v) {     // values 128 nh + 32 v + 16 h ..: one scale each
             const int64_t b = 8 * sb + 4 * nh + v;
-            __m256i s[NT];
-            for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+            Dots<2> s[NT];
             for (int c = 4 * h; c < 4 * h + 4; ++c) {
               const __m256i q = load256(w + 144 + 512 * nh + 32 * (c + 8 * (v % 2)));
               const __m256i H = load256(w + 1168 + 256 * nh + 32 * c);
@@ -314,13 +345,13 @@ inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
               const __m256i hi = _mm256_and_si256(srli16(H, 2 * v), two);
               const __m256i val = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
               for (int t = 0; t < NT; ++t)
-                s[t] = dp(s[t], val, bcast4(x[t].q + 256 * sb + 128 * nh + 32 * v + 4 * c));
+                s[t].add(val, bcast4(x[t].q + 256 * sb + 128 * nh + 32 * v + 4 * c));
             }
             const int k = 8 * nh + 2 * v + h;  // the scale of these 16 values
             const __m256 sc = _mm256_mul_ps(d, bytes8<true>(load_u64(w + 16 + 8 * k)));
             for (int t = 0; t < NT; ++t) {
-              acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(sc, _mm256_set1_ps(x[t].d[b])),
-                                       acc[t]);
+              acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t].sums()),
+                                       _mm256_mul_ps(sc, _mm256_set1_ps(x[t].d[b])), acc[t]);
               acc[t] = _mm256_fnmadd_ps(
                   sc, _mm256_set1_ps(32.0f * x[t].d[b] * static_cast<float>(x[t].s16[2 * b + h])),
                   acc[t]);
