@@ -882,7 +882,8 @@ void rows_ggml(const Product& p, int64_t begin, int64_t end) {
 using U8Matrix = ffi::Buffer<ffi::U8, 2>;
 
 // Checks the parts (args[0 .. types.size() - 1], u8[rows, row_bytes] each) against x's length n
-// and fills g.parts; *m gets the rows in all, *bytes the weights' bytes.
+// and fills g.parts and g.unit (8 rows when a part is in an x8 layout: then every part's rows
+// must be a multiple of 8); *m gets the rows in all, *bytes the weights' bytes.
 ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, int64_t n,
                       GgmlProduct& g, int64_t* m, int64_t* bytes, bool* integer) {
   const int64_t n_parts = static_cast<int64_t>(types.size());
@@ -908,6 +909,14 @@ ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, 
     *integer = *integer || ggml::integer_type(types[k]);
   }
   g.n_parts = static_cast<int>(n_parts);
+  g.unit = 1;
+  for (int k = 0; k < g.n_parts; ++k)
+    if (ggml::x8_type(g.parts[k].type)) g.unit = 8;
+  if (g.unit == 8)
+    for (int k = 0; k < g.n_parts; ++k)
+      if (g.parts[k].rows % 8 != 0)
+        return ffi::Error::InvalidArgument(
+            "jllama ggml product: with an x8 part, every part's rows must be a multiple of 8");
   return ffi::Error::Success();
 }
 
@@ -939,14 +948,6 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
   }
   g.n = n;
   g.y = y->typed_data();
-  g.unit = 1;
-  for (int k = 0; k < g.n_parts; ++k)
-    if (ggml::x8_type(g.parts[k].type)) g.unit = 8;
-  if (g.unit == 8)
-    for (int k = 0; k < g.n_parts; ++k)
-      if (g.parts[k].rows % 8 != 0)
-        return ffi::Error::InvalidArgument(
-            "jllama matvec_ggml: with an x8 part, every part's rows must be a multiple of 8");
   // `run` sizes its blocks and decides to split by weights per row: a byte of a quantized row
   // costs about what a float32 weight does (decoding it is most of the work).
   const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m)) * g.unit;
@@ -1070,15 +1071,8 @@ ffi::Error MatmulGgml(ffi::ThreadPool pool, F32Matrix x, ffi::RemainingArgs args
   GgmlMatmul g;
   std::copy(checked.parts, checked.parts + kMaxParts, g.parts);
   g.n_parts = checked.n_parts;
+  g.unit = checked.unit;
   g.n = n, g.m = m, g.tokens = tokens, g.x = x.typed_data(), g.y = y->typed_data();
-  g.unit = 1;
-  for (int k = 0; k < g.n_parts; ++k)
-    if (ggml::x8_type(g.parts[k].type)) g.unit = 8;
-  if (g.unit == 8)
-    for (int k = 0; k < g.n_parts; ++k)
-      if (g.parts[k].rows % 8 != 0)
-        return ffi::Error::InvalidArgument(
-            "jllama matmul_ggml: with an x8 part, every part's rows must be a multiple of 8");
   std::unique_ptr<uint8_t[]> scratch[ggml::kActivationKinds];
   QuantizeTokens quantizing{&g, {}, ggml::activation_bytes(n)};
   for (int k = 0; k < g.n_parts; ++k) {
