@@ -80,13 +80,13 @@ def binary_name() -> str:
     return f"stream_read-{digest.hexdigest()[:12]}"
 
 
-def build(cache: Path) -> Path:
+def build(cache: Path, quiet: bool = False) -> Path:
     """`cache/stream_read-<hash>` (see `binary_name`), compiled from `stream_read.cc` if that
     file is missing, else left alone.
 
     The compiler writes into a temporary folder inside `cache` and the binary is renamed
     into place, so the named file is never half-written, and a binary someone else built
-    from other source keeps its own name.
+    from other source keeps its own name. It says so on stderr unless `quiet`.
 
     Raises:
       BenchError: no compiler, `cache` cannot be made, or the compiler failed.
@@ -102,8 +102,9 @@ def build(cache: Path) -> Path:
         tmpdir = Path(tempfile.mkdtemp(dir=cache, prefix=f".{binary.name}."))
     except OSError as e:
         raise BenchError(f"--cache={cache}: cannot write there: {e.strerror or e}") from None
-    print(f"ceiling.py: building {binary.name} ({Path(cxx).name} {' '.join(CXXFLAGS)} "
-          f"{SOURCE.name}) into {cache} ...", file=sys.stderr, flush=True)
+    if not quiet:
+        print(f"ceiling.py: building {binary.name} ({Path(cxx).name} {' '.join(CXXFLAGS)} "
+              f"{SOURCE.name}) into {cache} ...", file=sys.stderr, flush=True)
     try:
         tmp = tmpdir / binary.name
         done = subprocess.run([cxx, *CXXFLAGS, str(SOURCE), "-o", str(tmp)],

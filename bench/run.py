@@ -274,7 +274,7 @@ def machine_facts(cache: Path) -> dict:
     try:
         from ceiling import _read_bandwidth, build
 
-        read = _read_bandwidth(build(cache), 400_000_000)
+        read = _read_bandwidth(build(cache, quiet=True), 400_000_000)
         out.update(read_gb_s=read["best_gb_s"], read_plain_gb_s=read.get("plain_huge_gb_s"))
     except Exception as e:  # noqa: BLE001  (a figure the meta line can go without)
         out.update(read_gb_s=None, read_error=str(e))
