@@ -159,10 +159,10 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} is out of range (1..{MAX_DIM})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} is odd; RoPE rotates pairs")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"norm_eps={self.norm_eps} must be positive")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta={self.rope_theta} must be positive")
+        if not 0 < self.norm_eps < math.inf:
+            raise ConfigError(f"norm_eps={self.norm_eps} must be positive and finite")
+        if not 0 < self.rope_theta < math.inf:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be positive and finite")
         scaling = self.rope_scaling
         if scaling is not None and scaling.freq_factors:
             if len(scaling.freq_factors) != self.head_dim // 2:

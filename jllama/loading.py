@@ -141,7 +141,10 @@ def open_model(
     path = resolve_checkpoint(checkpoint) if checkpoint else embedded_checkpoint()
     model = _read(path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype)
     if dtype is not None:
-        model = dataclasses.replace(model, weights=cast_weights(model.weights, dtype))
+        try:
+            model = dataclasses.replace(model, weights=cast_weights(model.weights, dtype))
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     return model
 
 
@@ -165,8 +168,8 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
         from jllama.formats.hf import read_hf
 
         _refuse_tokenizer(tokenizer, path, "Hugging Face folder")
-        # int8 is quantized from the stored floats afterwards (`cast_weights`).
-        h = read_hf(path, seq_len=seq_len, dtype=None if dtype == "int8" else dtype)
+        # int8 and q4 are quantized from the stored floats afterwards (`cast_weights`).
+        h = read_hf(path, seq_len=seq_len, dtype=None if dtype in ("int8", "q4") else dtype)
         hf_tokenizer = None
         template = h.chat_template
         if need_tokenizer:

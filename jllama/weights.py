@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jllama.config import ModelConfig
-from jllama.errors import ConfigError
+from jllama.errors import CheckpointError, ConfigError
 
 
 @jax.tree_util.register_dataclass
@@ -114,9 +114,11 @@ blocks); q4 is GGML's Q4_0 blocks (`jllama.ggml_matrix`)."""
 Q4_TYPE = 2
 """The GGML type --dtype=q4 quantizes to (ggml_quants.Q4_0)."""
 
-Q4_KEEP = frozenset({2, 3, 10, 11, 12})
-"""GGML types --dtype=q4 keeps as they are: 4.5 bits a weight or fewer (Q4_0, Q4_1, Q2_K,
-Q3_K, Q4_K)."""
+Q4_KEEP = frozenset({2, 3, 6, 7, 10, 11, 12, 13})
+"""GGML types --dtype=q4 keeps as they are: 6 bits a weight or fewer (Q4_0, Q4_1, Q5_0, Q5_1,
+Q2_K, Q3_K, Q4_K, Q5_K). Quantizing those to Q4_0 again costs far more than their bytes save:
+SmolLM2's Q4_K_M file (mostly Q5_0) went from perplexity 21.9 to 33.9 that way (4 chunks of
+512 tokens), against 25.7 for Q4_0 made from its float32 weights."""
 
 _MATRICES = ("token_embedding_table", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wcls")
 
@@ -165,7 +167,7 @@ def cast_weights(weights: TransformerWeights, dtype: str) -> TransformerWeights:
     `jllama.ggml_matrix.quantize`). int8 to a float dtype dequantizes.
 
     "q4": every matrix becomes Q4_0 blocks (`Q4_TYPE`, ggml's reference quantizer), except GGML
-    types of 4.5 bits a weight or fewer (`Q4_KEEP`), which stay as stored, matrices whose rows
+    types of 6 bits a weight or fewer (`Q4_KEEP`), which stay as stored, matrices whose rows
     are not a multiple of 32 long, which stay as they are (llama.cpp's fallback for such
     tensors), and the classifier (with the embedding when they are one matrix), which becomes
     Q8_0 unless it is already a GGML type of at most 8.5 bits a weight (llama.cpp's quantizer
@@ -173,6 +175,7 @@ def cast_weights(weights: TransformerWeights, dtype: str) -> TransformerWeights:
 
     Raises:
       ConfigError: an unknown dtype name.
+      CheckpointError: a matrix to quantize holds NaN or infinite values (one line naming it).
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
@@ -186,7 +189,12 @@ def cast_weights(weights: TransformerWeights, dtype: str) -> TransformerWeights:
         # quantizer keeps output.weight above the rest: 4-bit there took SmolLM2's perplexity
         # from 23.9 to 26.9 (bench/NOTES.md).
         kind = "int8q8" if dtype == "q4" and name in ("token_embedding_table", "wcls") else dtype
-        changed = _cast_matrix(array, kind)
+        try:
+            changed = _cast_matrix(array, kind)
+        except ValueError as e:  # the quantizers refuse non-finite weights
+            raise CheckpointError(
+                f"weights.{name} cannot be held as {dtype}: {e} (see --verify_checkpoint)"
+            ) from None
         if changed is not array:
             changes[name] = changed
     if shared and "token_embedding_table" in changes:

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from jllama.config import ModelConfig
 from jllama.formats import ggml_quants as gq
-from jllama.ggml_matrix import GGMLMatrix, LayerStack
+from jllama.ggml_matrix import GGMLMatrix, LayerStack, quantize
 from jllama.weights import cast_weights, random_weights, weights_dtype, weights_nbytes
 
 from test_cli import run
@@ -48,6 +48,10 @@ def test_q4_keeps_rows_that_are_not_a_multiple_of_32_and_narrow_ggml_types():
     rng = np.random.default_rng(3)
     k4 = GGMLMatrix(rng.integers(0, 255, (2 * 8, 144), dtype=np.uint8), gq.Q4_K, 256)
     assert cast_weights_field(k4, "q4") is k4  # 4.5 bits already: as stored
+    five = GGMLMatrix(rng.integers(0, 255, (8, 22), dtype=np.uint8), gq.Q5_0, 32)
+    assert cast_weights_field(five, "q4") is five  # 5.5: re-quantizing would cost too much
+    eight = quantize(rng.standard_normal((8, 64)).astype(np.float32), gq.Q8_0)
+    assert cast_weights_field(eight, "q4").type_name == "Q4_0"
 
 
 def cast_weights_field(matrix, dtype):
@@ -68,6 +72,18 @@ def test_int8_on_ggml_blocks_is_q8_0_of_their_exact_values():
     assert np.array_equal(np.asarray(stack.layers[0]), np.asarray(k4))  # Q4_0 -> Q8_0 exactly
     want = gguf.quants.quantize(gguf.quants.dequantize(six, Q.Q6_K).reshape(16, 256), Q.Q8_0)
     assert np.array_equal(stack.layers[1].data, want)
+
+
+def test_non_finite_weights_are_one_line_naming_the_field():
+    import pytest
+
+    from jllama.errors import CheckpointError
+
+    weights = random_weights(CONFIG, seed=5)
+    weights.w2[1, 3, 7] = np.nan
+    for dtype in ("q4", "int8"):
+        with pytest.raises(CheckpointError, match=r"weights\.w2 cannot be held as "):
+            cast_weights(weights, dtype)
 
 
 def test_cli_runs_q4():

@@ -223,19 +223,29 @@ inline void round_to_int8(const float* y, float mul, int8_t* q, int64_t count, b
   }
 }
 
+// max |x_j| over `count` values (a multiple of 8), or NaN when one of them is NaN or infinite:
+// such a block's step is then NaN, so the products it enters are NaN and the logits' check
+// reports it (maxps would drop a NaN and rounding would turn it into a finite -128).
 inline float max_abs(const float* x, int64_t count) {
 #if JLLAMA_Q_AVX2
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  __m256 m = _mm256_setzero_ps();
-  for (int64_t j = 0; j < count; j += 8)
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)));
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+  __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; j += 8) {
+    const __m256 a = _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j));
+    m = _mm256_max_ps(m, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or infinite
+  }
+  if (_mm256_movemask_ps(bad)) return NAN;
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   return _mm_cvtss_f32(m4);
 #else
   float a = 0.0f;
-  for (int64_t j = 0; j < count; ++j) a = std::fmax(a, std::fabs(x[j]));
+  for (int64_t j = 0; j < count; ++j) {
+    if (!(std::fabs(x[j]) < INFINITY)) return NAN;
+    a = std::fmax(a, std::fabs(x[j]));
+  }
   return a;
 #endif
 }
@@ -253,7 +263,10 @@ inline Activations quantize(const float* x, int64_t n, uint8_t* scratch, int kin
       const float* xs = x + 256 * s;
       const float amax = max_abs(xs, 256);
       float step = 0.0f;
-      if (amax != 0.0f) {
+      if (std::isnan(amax)) {  // a NaN or infinite value: the block's products are NaN
+        std::memset(q + 256 * s, 0, 256);
+        step = NAN;
+      } else if (amax != 0.0f) {
         int64_t first = 0;
         while (std::fabs(xs[first]) != amax) ++first;
         const float iscale = -127.0f / xs[first];
@@ -267,8 +280,9 @@ inline Activations quantize(const float* x, int64_t n, uint8_t* scratch, int kin
   } else {
     for (int64_t b = 0; b < n / 32; ++b) {
       const float amax = max_abs(x + 32 * b, 32);
-      d[b] = round_fp16(amax / 127.0f);
-      round_to_int8(x + 32 * b, amax != 0.0f ? 127.0f / amax : 0.0f, q + 32 * b, 32, false);
+      d[b] = round_fp16(amax / 127.0f);  // NaN for a block with a NaN or infinite value
+      const float id = amax != 0.0f && !std::isnan(amax) ? 127.0f / amax : 0.0f;
+      round_to_int8(x + 32 * b, id, q + 32 * b, 32, false);
     }
   }
   for (int64_t b = 0; b < n / 32; ++b) {
