@@ -586,6 +586,8 @@ def _make_backend(config, weights, n_devices: int, decode: str, speak: bool = Tr
     if speak and getattr(backend, "matvec_note", ""):
         print(f"jllama: note: using XLA's products (--matvec=xla): {backend.matvec_note}",
               file=sys.stderr)
+    if speak and getattr(backend, "weights_note", ""):
+        print(f"jllama: note: {backend.weights_note}", file=sys.stderr)
     if speak:
         for note in getattr(backend, "sharding_notes", ()):
             print(f"jllama: note: {note}", file=sys.stderr)
@@ -890,6 +892,9 @@ def _perplexity() -> int:
     if not FLAGS.file:
         raise JllamaError("perplexity needs --file=TEXT, a UTF-8 text file")
     ctx, file_flag = FLAGS.ctx, f"--file={FLAGS.file}"
+    if FLAGS.seq_len and FLAGS.seq_len != ctx:
+        print(f"jllama: note: perplexity's context is --ctx={ctx}; --seq_len={FLAGS.seq_len} is "
+              "not used", file=sys.stderr)
     try:
         ppl.check_chunks(FLAGS.chunks)
         ppl.check_ctx(ctx)
@@ -931,7 +936,8 @@ def _perplexity() -> int:
         return 0
     print(",".join(f"[{i + 1}]{p:.4f}" for i, p in enumerate(result.chunk_ppl)) + ",",
           file=sys.stderr)
-    print(f"jllama: {result.chunks} chunks of {ctx} tokens, {est.count} scored, "
+    chunks = f"{result.chunks} chunk{'' if result.chunks == 1 else 's'}"
+    print(f"jllama: {chunks} of {ctx} tokens, {est.count} scored, "
           f"{result.seconds:.2f} s ({result.tokens_per_second:.1f} tok/s)", file=sys.stderr)
     print(ppl.final_line(est), flush=True)
     return 0

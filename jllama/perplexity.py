@@ -146,7 +146,8 @@ def chunk_count(n_tokens: int, ctx: int, chunks: int = -1, what: str = "the text
     check_chunks(chunks)
     if n_tokens < 2 * ctx:
         raise PerplexityError(
-            f"{what} is {n_tokens} tokens, fewer than the {2 * ctx} that ctx={ctx} needs "
+            f"{what} is {n_tokens} token{'' if n_tokens == 1 else 's'}, fewer than the "
+            f"{2 * ctx} that ctx={ctx} needs "
             "(2 * ctx, as llama-perplexity): give a longer text or a smaller ctx"
         )
     available = n_tokens // ctx

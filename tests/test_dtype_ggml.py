@@ -90,3 +90,31 @@ def test_cli_runs_q4():
     result = run("--dtype=q4", "--steps=24", "--temperature=0")
     assert result.returncode == 0, result.stderr
     assert "Q4_0" in result.stderr and result.stdout.startswith("Once upon a time")
+
+
+def test_backends_that_dequantize_say_what_they_hold():
+    """The numpy backend and XLA's products compute with dequantized weights: the note gives
+    float32's bytes (counted by hand: every weight 4 bytes, the tied table once) or, for XLA,
+    Q8_0 as int8 plus a float32 scale per 32 weights."""
+    from jllama.backends.jax_graph import JaxGraphBackend
+    from jllama.backends.numpy_ref import NumpyBackend
+
+    c = ModelConfig(dim=256, hidden_dim=512, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=4096,
+                    seq_len=16)  # the table is 1 MB of 2.2 at 8 bits: counted twice would show
+    weights = random_weights(c, seed=4, scale=0.1)
+    q8 = cast_weights(cast_weights(weights, "q4"), "int8")
+    assert weights_dtype(q8) == "Q8_0"
+    matrices = c.n_layers * (c.dim * c.dim * 2 + 2 * c.dim * (c.dim * c.n_kv_heads // c.n_heads)
+                             + 3 * c.dim * c.hidden_dim) + c.vocab_size * c.dim
+    norms = (2 * c.n_layers + 1) * c.dim
+    numpy = NumpyBackend()
+    numpy.prepare(c, q8)
+    assert numpy.weights_note.endswith(f"float32: weights {(matrices + norms) * 4 / 1e6:.1f} MB")
+    xla = JaxGraphBackend(matvec="xla")
+    xla.prepare(c, q8)
+    assert "grouped int8" in xla.weights_note
+    want = matrices + matrices // 32 * 4 + norms * 4
+    assert xla.weights_note.endswith(f"weights {want / 1e6:.1f} MB"), xla.weights_note
+    plain = NumpyBackend()
+    plain.prepare(c, weights)
+    assert plain.weights_note == ""

@@ -139,6 +139,7 @@ class JaxGraphBackend:
         self.decode = decode
         self.matvec = matvec
         self.matvec_note = ""
+        self.weights_note = ""
         self.devices = mesh.size if mesh is not None else devices
         self._mesh = mesh
         self.tensor_parallel: TensorParallel | None = None
@@ -176,7 +177,18 @@ class JaxGraphBackend:
         if self.matvec != "kernel":
             # XLA's products cannot read GGML blocks: Q8_0 / Q4_0 become grouped int8 (exact),
             # other types float32 (`jllama.ggml_matrix.for_xla`).
-            host = jax.tree_util.tree_map(for_xla, host, is_leaf=is_ggml)
+            leaves = jax.tree_util.tree_leaves(host, is_leaf=is_ggml)
+            converted = {id(m): for_xla(m) for m in leaves if is_ggml(m)}  # a tied table once
+            host = jax.tree_util.tree_map(
+                lambda m: converted.get(id(m), m), host, is_leaf=is_ggml
+            )
+            if converted:
+                leaves = {id(a): a for a in jax.tree_util.tree_leaves(host)}
+                nbytes = sum(a.nbytes for a in leaves.values())
+                self.weights_note = (
+                    "XLA's products take GGML blocks as grouped int8 (Q8_0, Q4_0) or dequantized "
+                    f"float32 (other types), with float32 activations: weights {nbytes / 1e6:.1f} MB"
+                )
         elif kernels.vector_width() >= 8:
             # GGML blocks eight rows at a time where the kernels have that path (AVX2 or
             # AVX-512): the same bytes, 2-3x faster products (`jllama.ggml_repack`). The host's

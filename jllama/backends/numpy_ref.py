@@ -22,7 +22,13 @@ import numpy as np
 from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
 from jllama.rope import rope_cos_sin, rope_frequencies
-from jllama.weights import TransformerWeights, cast_weights, check_shapes
+from jllama.weights import (
+    TransformerWeights,
+    cast_weights,
+    check_shapes,
+    weights_dtype,
+    weights_nbytes,
+)
 
 _F32 = np.float32
 
@@ -190,6 +196,12 @@ class NumpyBackend:
         check_shapes(config, weights)
         self.config = config
         self.weights = cast_weights(weights, "float32")
+        self.weights_note = ""
+        if weights_dtype(weights) not in ("float32", "bfloat16"):
+            self.weights_note = (
+                f"the numpy backend computes with {weights_dtype(weights)} weights dequantized to "
+                f"float32: weights {weights_nbytes(self.weights) / 1e6:.1f} MB"
+            )
         self.cache = KVCache.zeros(config)
         self.inv_freq = rope_frequencies(config)
 
@@ -198,7 +210,10 @@ class NumpyBackend:
         if self.config is None:
             raise RuntimeError("NumpyBackend.forward called before prepare")
         token, pos = check_token_pos(self.config, token, pos)
-        return forward(self.config, self.weights, self.cache, self.inv_freq, token, pos)
+        # Broken weights overflow to inf/NaN: callers check the logits and say so in one line,
+        # as the jax backend's kernels do, rather than numpy warning at every product.
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return forward(self.config, self.weights, self.cache, self.inv_freq, token, pos)
 
     def prefill_logits(self, tokens, start_pos: int, first: int = 0) -> np.ndarray:
         """`forward` of each token at start_pos, start_pos+1, ... in turn; the logits after
