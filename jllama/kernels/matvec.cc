@@ -31,6 +31,8 @@
 // Threads: each thread (the caller and jllama's helper threads, one fewer than XLA's intra-op
 // pool has threads; `Helpers`) owns a contiguous share of the rows, cut into blocks, and takes
 // them from the front; a thread whose share is done takes blocks from the back of the others'.
+// The caller owns the first share, helpers the others, so a helper idle between two products
+// can warm its L2 with its share of the next one (`Helpers::warm`).
 // The caller works too and waits only for blocks another thread has already taken, so a
 // product never waits for a helper that has not started: two products running side by side
 // cannot deadlock, and a product finishes even with no helper at all.
@@ -311,30 +313,57 @@ inline float dot(const T* w, const float* x, int64_t n) {
   }
   return halve16(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 #elif JLLAMA_AVX2
-  // Eight 8-float registers are the 64 lanes (register r: lanes 8r .. 8r + 7).
-  __m256 a[8];
-  for (auto& r : a) r = _mm256_setzero_ps();
+  // Eight 8-float registers are the 64 lanes (a<r>: lanes 8r .. 8r + 7). Named, not an
+  // array: with a[r] for a variable r in the row's last block the compiler kept the array in
+  // memory, zeroed with `rep stos` and stored back every row (AVX2 stories15M spent a tenth of
+  // its rows there).
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0;
+#define JLLAMA_LANE(r, at) \
+  a##r = _mm256_fmadd_ps(widen8(w + (at) + 8 * r), _mm256_loadu_ps(x + (at) + 8 * r), a##r)
   for (; i + kLanes <= n; i += kLanes) {
     if (Stream) stream_ahead(w + i);
-    for (int r = 0; r < 8; ++r)
-      a[r] = _mm256_fmadd_ps(widen8(w + i + 8 * r), _mm256_loadu_ps(x + i + 8 * r), a[r]);
+    JLLAMA_LANE(0, i); JLLAMA_LANE(1, i); JLLAMA_LANE(2, i); JLLAMA_LANE(3, i);
+    JLLAMA_LANE(4, i); JLLAMA_LANE(5, i); JLLAMA_LANE(6, i); JLLAMA_LANE(7, i);
   }
-  // The last partial block: whole registers as they come, then the last < 8 weights
-  // zero-padded (lanes past the row's end add 0 * 0). (Padding the whole block through a
-  // buffer cost stories15M's 288-long rows two thirds of their speed.)
-  int r = 0;
-  for (; i + 8 <= n; ++r, i += 8)
-    a[r] = _mm256_fmadd_ps(widen8(w + i), _mm256_loadu_ps(x + i), a[r]);
+  // The last partial block: whole registers as they come (a switch that falls through), then
+  // the last < 8 weights zero-padded (lanes past the row's end add 0 * 0). (Padding the whole
+  // block through a buffer cost stories15M's 288-long rows two thirds of their speed.)
+  const int64_t whole = (n - i) / 8;
+  switch (whole) {
+    case 7: JLLAMA_LANE(6, i); [[fallthrough]];
+    case 6: JLLAMA_LANE(5, i); [[fallthrough]];
+    case 5: JLLAMA_LANE(4, i); [[fallthrough]];
+    case 4: JLLAMA_LANE(3, i); [[fallthrough]];
+    case 3: JLLAMA_LANE(2, i); [[fallthrough]];
+    case 2: JLLAMA_LANE(1, i); [[fallthrough]];
+    case 1: JLLAMA_LANE(0, i); [[fallthrough]];
+    default: break;
+  }
+#undef JLLAMA_LANE
+  i += 8 * whole;
   if (i < n) {
     T wt[8] = {};
     float xt[8] = {};
     std::memcpy(wt, w + i, sizeof(T) * (n - i));
     std::memcpy(xt, x + i, sizeof(float) * (n - i));
-    a[r] = _mm256_fmadd_ps(widen8(wt), _mm256_loadu_ps(xt), a[r]);
+    const __m256 wv = widen8(wt), xv = _mm256_loadu_ps(xt);
+#define JLLAMA_LAST(r) a##r = _mm256_fmadd_ps(wv, xv, a##r); break
+    switch (whole) {  // lanes 8 * whole ..: register a<whole>
+      case 0: JLLAMA_LAST(0);
+      case 1: JLLAMA_LAST(1);
+      case 2: JLLAMA_LAST(2);
+      case 3: JLLAMA_LAST(3);
+      case 4: JLLAMA_LAST(4);
+      case 5: JLLAMA_LAST(5);
+      case 6: JLLAMA_LAST(6);
+      default: JLLAMA_LAST(7);
+    }
+#undef JLLAMA_LAST
   }
   // finish's tree: lane k with k + 16, k + 32, k + 48 as (a + b) + (c + d), then halve16.
-  return halve16(_mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[4], a[6])),
-                 _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7])));
+  return halve16(_mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a4, a6)),
+                 _mm256_add_ps(_mm256_add_ps(a1, a3), _mm256_add_ps(a5, a7)));
 #else
   float acc[kLanes] = {0};
   for (; i + kLanes <= n; i += kLanes) {
@@ -357,6 +386,10 @@ struct Product {
   int64_t n;
   int64_t groups;  // scales per row, for rows_int8_groups
   bool stream;     // prefetch the weights ahead (`stream_ahead`): set by `run` for big products
+  // The weights as bytes, row r at data + r * row_bytes, where they are one plain matrix (f32,
+  // bf16, int8): what a helper warms its L2 with before the product comes (`Helpers::warm`).
+  const char* data = nullptr;
+  int64_t row_bytes = 0;
 };
 
 template <typename T>
@@ -444,11 +477,11 @@ struct Work {
   Product product;
   int64_t m = 0, block = 1, shares = 0;
   std::unique_ptr<Share[]> share;
-  std::atomic<int64_t> arrived{0};  // which share the next thread to arrive owns
+  std::atomic<int64_t> arrived{1};  // which share the next helper to arrive owns
   std::atomic<int64_t> rows_done{0};
 
   Work(const Product& p, int64_t rows, int64_t threads) : product(p), m(rows) {
-    block = std::max<int64_t>(1, kBlockWeights / std::max<int64_t>(1, p.n));
+    block = block_rows(p.n);
     const int64_t blocks = (m + block - 1) / block;
     shares = std::min(threads, blocks);
     share.reset(new Share[shares]);
@@ -456,6 +489,21 @@ struct Work {
       const uint64_t front = blocks * i / shares, end = blocks * (i + 1) / shares;
       share[i].range.store(end << 32 | front, std::memory_order_relaxed);
     }
+  }
+
+  static int64_t block_rows(int64_t n) {
+    return std::max<int64_t>(1, kBlockWeights / std::max<int64_t>(1, n));
+  }
+
+  // The rows [*begin, *end) of share `id` when m rows of n go to `threads` threads.
+  static void share_rows(int64_t m, int64_t n, int64_t threads, int64_t id, int64_t* begin,
+                         int64_t* end) {
+    const int64_t block = block_rows(n), blocks = (m + block - 1) / block;
+    const int64_t shares = std::min(threads, blocks);
+    *begin = *end = 0;
+    if (id >= shares) return;
+    *begin = blocks * id / shares * block;
+    *end = std::min(m, blocks * (id + 1) / shares * block);
   }
 
   static int64_t take(std::atomic<uint64_t>& range, bool from_front) {
@@ -475,9 +523,9 @@ struct Work {
     return end - begin;
   }
 
-  // Runs the blocks of the next unowned share, then whatever is left of the others'.
-  void help() {
-    const int64_t id = arrived.fetch_add(1, std::memory_order_relaxed);
+  // Runs the blocks of share `id` (the caller's is 0; helpers take 1, 2, ... as they arrive,
+  // so a helper's share is the one it warmed), then whatever is left of the others'.
+  void help(int64_t id) {
     int64_t rows = 0;
     if (id < shares)
       for (int64_t b; (b = take(share[id].range, true)) >= 0;) rows += run_block(b);
@@ -587,9 +635,70 @@ class Helpers {
         std::lock_guard<std::mutex> lock(mutex_);
         work = offered_;
       }
-      if (work) work->help();
+      if (work) {
+        const int64_t id = work->arrived.fetch_add(1, std::memory_order_relaxed);
+        work->help(id);
+        warm(id, seen);
+      }
     }
   }
+
+  // Products come in the same order every token, so the product that followed this one last
+  // time comes next: while the caller runs what lies between (attention, norms, XLA's own
+  // steps), the helper that will own share `id` of it asks its L2 for that share's first
+  // kWarmBytes (a core's L2 holds 1-2 MB), stopping as soon as another
+  // product is offered. The arithmetic is untouched; only where the weights come from.
+  void warm(int64_t id, uint64_t seen) {
+#if defined(__x86_64__) || defined(_M_X64)
+    Next next;
+    {
+      // After the last product recorded, not after the work just done: attention's work
+      // between two products has no weights to warm.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (last_ == nullptr) return;
+      const Next& slot = next_[slot_of(last_)];
+      if (slot.after != last_) return;
+      next = slot;
+    }
+    int64_t begin, end;
+    Work::share_rows(next.m, next.n, next.threads, id, &begin, &end);
+    const char* p = next.data + begin * next.row_bytes;
+    const int64_t bytes = std::min<int64_t>((end - begin) * next.row_bytes, kWarmBytes);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      if ((b & 4095) == 0 && generation_.load(std::memory_order_relaxed) != seen) return;
+      _mm_prefetch(p + b, _MM_HINT_T1);
+    }
+#else
+    (void)id, (void)seen;
+#endif
+  }
+
+ public:
+  // Notes that `p` (m rows, `threads` threads) followed the previous product run through the
+  // helpers, for `warm`.
+  void record(const Product& p, int64_t m, int64_t threads) {
+    if (p.data == nullptr) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (last_ != nullptr)
+      next_[slot_of(last_)] = Next{last_, p.data, p.row_bytes, m, p.n, threads};
+    last_ = p.data;
+  }
+
+ private:
+  struct Next {
+    const char* after = nullptr;  // the product this one followed
+    const char* data = nullptr;
+    int64_t row_bytes = 0, m = 0, n = 0, threads = 0;
+  };
+  static size_t slot_of(const char* data) {
+    return (reinterpret_cast<uintptr_t>(data) >> 6) % kNextSlots;
+  }
+  // Half a MiB: stories15M decoded 3% faster (1440 -> 1400 us a token, five alternated pairs
+  // on the Intel VM, bench/NOTES.md); 1 MiB no better, stories110M even.
+  static constexpr int64_t kWarmBytes = 1 << 19;
+  static constexpr size_t kNextSlots = 509;  // a prime: products of many models and layers
+  Next next_[kNextSlots];
+  const char* last_ = nullptr;
 
   static constexpr int kSpinMs = 5;
   static constexpr std::chrono::microseconds kStall{1000};
@@ -631,13 +740,14 @@ void run(ffi::ThreadPool& pool, const Product& product, int64_t m) {
   // fits in L2 and never gets here).
   streaming.stream = true;
   Helpers& helpers = Helpers::get(threads);
+  helpers.record(product, m, threads);
   if (helpers.solo()) {
     streaming.rows(streaming, 0, m);
     return;
   }
   auto work = std::make_shared<Work>(streaming, m, threads);
   helpers.offer(work);
-  work->help();
+  work->help(0);
   const auto own_rows_done = std::chrono::steady_clock::now();
   // Every block is taken by now; wait for the ones a helper is still running.
   wait_for([&] { return work->finished(); });
@@ -744,15 +854,17 @@ ffi::Error product(ffi::ThreadPool& pool, Product p, int64_t m, F32Vector& x,
 ffi::Error MatvecF32(ffi::ThreadPool pool, F32Matrix w, F32Vector x, ffi::RemainingArgs extra,
                      F32Result y, int32_t prologue, float eps, int32_t residual) {
   const int64_t m = w.dimensions()[0], n = w.dimensions()[1];
-  return product(pool, Product{rows<float>, w.typed_data(), nullptr, nullptr, nullptr, n}, m, x,
-                 extra, y, prologue, eps, residual);
+  Product p{rows<float>, w.typed_data(), nullptr, nullptr, nullptr, n};
+  p.data = static_cast<const char*>(w.untyped_data()), p.row_bytes = n * 4;
+  return product(pool, p, m, x, extra, y, prologue, eps, residual);
 }
 
 ffi::Error MatvecBf16(ffi::ThreadPool pool, Bf16Matrix w, F32Vector x, ffi::RemainingArgs extra,
                       F32Result y, int32_t prologue, float eps, int32_t residual) {
   const int64_t m = w.dimensions()[0], n = w.dimensions()[1];
-  return product(pool, Product{rows<uint16_t>, w.untyped_data(), nullptr, nullptr, nullptr, n}, m,
-                 x, extra, y, prologue, eps, residual);
+  Product p{rows<uint16_t>, w.untyped_data(), nullptr, nullptr, nullptr, n};
+  p.data = static_cast<const char*>(w.untyped_data()), p.row_bytes = n * 2;
+  return product(pool, p, m, x, extra, y, prologue, eps, residual);
 }
 
 ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q, F32Vector scale, F32Vector x,
@@ -761,8 +873,9 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q, F32Vector scale, F32Ve
   const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
   if (scale.dimensions().size() != 1 || scale.dimensions()[0] != m)
     return ffi::Error::InvalidArgument("jllama matvec_int8: scale must be f32[m]");
-  return product(pool, Product{rows_int8, q.typed_data(), scale.typed_data(), nullptr, nullptr, n},
-                 m, x, extra, y, prologue, eps, residual);
+  Product p{rows_int8, q.typed_data(), scale.typed_data(), nullptr, nullptr, n};
+  p.data = static_cast<const char*>(q.untyped_data()), p.row_bytes = n;
+  return product(pool, p, m, x, extra, y, prologue, eps, residual);
 }
 
 ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale, F32Vector x,
