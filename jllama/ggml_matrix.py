@@ -341,6 +341,44 @@ def repacked(m):
     return m
 
 
+@dataclasses.dataclass(frozen=True)
+class FloatRows:
+    """Float matrices with the same `cols` stacked along their rows without a copy, for one
+    kernel call over all of them (`jllama.kernels.matvec`): each part's rows are summed exactly
+    as `kernels.matvec` sums a float matrix's.
+
+    Attributes:
+      parts: 2 to 4 arrays f32[rows_k, cols] or bf16[rows_k, cols].
+    """
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+jax.tree_util.register_dataclass(FloatRows, data_fields=["parts"], meta_fields=[])
+
+FLOAT_TYPES = {"float32": gq.F32, "bfloat16": gq.BF16}
+
+
+def float_gate_up(w1, w3):
+    """w1 and w3 of float32 or bfloat16 ([hidden_dim, dim] each, the same dtype) as FloatRows,
+    so the kernel runs both products in one call from one RMSNorm; None for other weights.
+    For matvec="kernel" only: XLA's products cannot take it."""
+    dtype = getattr(w1, "dtype", None)
+    if getattr(dtype, "name", None) not in FLOAT_TYPES or getattr(w3, "dtype", None) != dtype:
+        return None
+    if w1.ndim != 2 or w1.shape != w3.shape:
+        return None
+    return FloatRows((w1, w3))
+
+
 def gate_up(w1, w3):
     """w1 and w3 (SwiGLU's gate and up projections, [hidden_dim, dim] each) as one RowStack, so
     one kernel call computes both from one RMSNorm and one quantization of x; None unless both

@@ -134,6 +134,29 @@ def test_products_split_over_threads_compute_every_row(n, extra, seed):
     assert np.all(np.abs(got - _reference(w, x)) <= _bound(w, x))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("rows, n", [(768, 288), (40, 70)])
+def test_float_rows_are_both_products_in_one_call(dtype, rows, n):
+    """SwiGLU's w1 and w3 in one call (`FloatRows`, the decode block's path): against float64
+    NumPy of each after one RMSNorm, and each row the bits a call of its own gives (the same
+    64-lane sums), split over threads or not."""
+    from jllama.ggml_matrix import FloatRows
+
+    rng = np.random.default_rng(rows)
+    w1, w3 = (rng.standard_normal((rows, n), dtype=np.float32).astype(dtype) for _ in range(2))
+    x = rng.standard_normal(n).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    both = jax.jit(lambda a, b, x, g: kernels.matvec(FloatRows((a, b)), x, norm=g, eps=1e-5))
+    got = np.asarray(both(jnp.asarray(w1), jnp.asarray(w3), jnp.asarray(x), jnp.asarray(norm)))
+    h = _rmsnorm64(x, norm, 1e-5)
+    want = np.concatenate([np.asarray(w1, np.float64) @ h, np.asarray(w3, np.float64) @ h])
+    wide = np.concatenate([np.asarray(w1, np.float32), np.asarray(w3, np.float32)])
+    assert np.all(np.abs(got - want) <= _bound(wide, h.astype(np.float32)) + 1e-5 * np.abs(want))
+    one = jax.jit(lambda w, x, g: kernels.matvec(w, x, norm=g, eps=1e-5))
+    alone = [np.asarray(one(jnp.asarray(w), jnp.asarray(x), jnp.asarray(norm))) for w in (w1, w3)]
+    assert np.array_equal(got, np.concatenate(alone))
+
+
 def test_matvec_by_hand():
     w = np.array([[1, 2, 3], [-4, 5, 0.5]], np.float32)
     x = np.array([1, 10, 100], np.float32)

@@ -8,7 +8,7 @@ import functools
 import jax
 
 from jllama.config import ModelConfig
-from jllama.ggml_matrix import gate_up
+from jllama.ggml_matrix import float_gate_up, gate_up
 from jllama.graphs.ops import norm_matmul, residual_matmul, residual_swiglu_matmul
 
 
@@ -47,7 +47,9 @@ def block(
     with jax.named_scope("ffn"):
         eps = config.norm_eps
         both = gate_up(w1, w3)
-        if both is not None:  # GGML blocks: one kernel call, one RMSNorm, x quantized once
+        if both is None and matvec == "kernel":
+            both = float_gate_up(w1, w3)
+        if both is not None:  # one kernel call, one RMSNorm (GGML blocks: x quantized once)
             out = norm_matmul(both, x, rms_ffn_weight, eps, matvec)
             up, gate = out[: config.hidden_dim], out[config.hidden_dim :]
         else:

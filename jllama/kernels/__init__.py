@@ -37,7 +37,7 @@ from jllama.kernels.library import (
     build,
     check_library,
 )
-from jllama.ggml_matrix import GGMLMatrix, RowStack
+from jllama.ggml_matrix import FLOAT_TYPES, FloatRows, GGMLMatrix, RowStack
 from jllama.quant import Int8Matrix
 
 MATVEC_MODES = ("xla", "kernel")
@@ -148,7 +148,7 @@ def matvec(
     attrs = {"prologue": np.int32(prologue), "eps": np.float32(eps),
              "residual": np.int32(add is not None)}
     x = x.astype(jnp.float32)
-    if isinstance(w, (GGMLMatrix, RowStack)):
+    if isinstance(w, (GGMLMatrix, RowStack, FloatRows)):
         parts, types = _parts(w)
         return jax.ffi.ffi_call(MATVEC_GGML, out)(x, *parts, *extra, types=types, **attrs)
     if isinstance(w, Int8Matrix) and w.grouped:
@@ -163,6 +163,9 @@ def matvec(
 
 def _parts(w) -> tuple[list, np.ndarray]:
     """The byte arrays of a GGMLMatrix or RowStack and their ggml type ids (int32[k])."""
+    if isinstance(w, FloatRows):  # the arrays themselves, typed
+        types = [FLOAT_TYPES[jnp.dtype(p.dtype).name] for p in w.parts]
+        return list(w.parts), np.array(types, np.int32)
     parts = w.parts if isinstance(w, RowStack) else (w,)
     return [p.data for p in parts], np.array([p.type_id for p in parts], np.int32)
 

@@ -386,10 +386,23 @@ struct Product {
   int64_t n;
   int64_t groups;  // scales per row, for rows_int8_groups
   bool stream;     // prefetch the weights ahead (`stream_ahead`): set by `run` for big products
-  // The weights as bytes, row r at data + r * row_bytes, where they are one plain matrix (f32,
-  // bf16, int8): what a helper warms its L2 with before the product comes (`Helpers::warm`).
-  const char* data = nullptr;
-  int64_t row_bytes = 0;
+  // Where the weights lie, for a helper to warm its L2 with before the product comes
+  // (`Helpers::warm`): rows [first, first + rows) of the product at data + (r - first) *
+  // row_bytes, up to kMaxSpans matrices (a GGML product's parts); work comes in units of
+  // `unit` rows. No spans: nothing to warm.
+  struct Span {
+    const char* data;
+    int64_t first, rows, row_bytes;
+  };
+  static constexpr int kMaxSpans = 4;
+  Span spans[kMaxSpans] = {};
+  int n_spans = 0;
+  int64_t unit = 1;
+
+  void weights(const void* data, int64_t m, int64_t row_bytes) {
+    spans[0] = Span{static_cast<const char*>(data), 0, m, row_bytes};
+    n_spans = 1;
+  }
 };
 
 template <typename T>
@@ -540,6 +553,24 @@ struct Work {
   bool finished() const { return rows_done.load(std::memory_order_acquire) >= m; }
 };
 
+// A lock for a few instructions' worth of shared state: it spins, never sleeps.
+class SpinLock {
+ public:
+  void lock() {
+    while (locked_.exchange(true, std::memory_order_acquire)) {
+      while (locked_.load(std::memory_order_relaxed)) {
+#if defined(__x86_64__) || defined(_M_X64)
+        _mm_pause();
+#endif
+      }
+    }
+  }
+  void unlock() { locked_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> locked_{false};
+};
+
 // jllama's own helper threads for the products, one fewer than XLA's intra-op pool has (the
 // caller is the other). Between products they spin on a counter for a few milliseconds, then
 // sleep. Why not XLA's pool: its tasks woke a second, idle pool thread about twice a token,
@@ -563,19 +594,19 @@ class Helpers {
   // Makes `work` the product helpers pick up next, waking any that sleep.
   void offer(const std::shared_ptr<Work>& work) {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<SpinLock> lock(mutex_);
       offered_ = work;
     }
     generation_.fetch_add(1);  // sequentially consistent with `sleeping_` below
     if (sleeping_.load() > 0) {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
       wake_.notify_all();
     }
   }
 
   // Drops the offer of a finished product (so it does not outlive its caller's wait).
   void withdraw(const Work* work) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<SpinLock> lock(mutex_);
     if (offered_.get() == work) offered_.reset();
   }
 
@@ -623,7 +654,7 @@ class Helpers {
         _mm_pause();
 #endif
         if ((spins & 255) == 255 && std::chrono::steady_clock::now() > spin_until) {
-          std::unique_lock<std::mutex> lock(mutex_);
+          std::unique_lock<std::mutex> lock(sleep_mutex_);
           sleeping_.fetch_add(1);
           wake_.wait(lock, [&] { return generation_.load() != seen; });
           sleeping_.fetch_sub(1);
@@ -632,7 +663,7 @@ class Helpers {
       seen = generation_.load(std::memory_order_acquire);
       std::shared_ptr<Work> work;
       {
-        std::lock_guard<std::mutex> lock(mutex_);
+        std::lock_guard<SpinLock> lock(mutex_);
         work = offered_;
       }
       if (work) {
@@ -654,19 +685,27 @@ class Helpers {
     {
       // After the last product recorded, not after the work just done: attention's work
       // between two products has no weights to warm.
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<SpinLock> lock(mutex_);
       if (last_ == nullptr) return;
       const Next& slot = next_[slot_of(last_)];
       if (slot.after != last_) return;
       next = slot;
     }
-    int64_t begin, end;
+    int64_t begin, end;  // in units of work, then in rows
     Work::share_rows(next.m, next.n, next.threads, id, &begin, &end);
-    const char* p = next.data + begin * next.row_bytes;
-    const int64_t bytes = std::min<int64_t>((end - begin) * next.row_bytes, kWarmBytes);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      if ((b & 4095) == 0 && generation_.load(std::memory_order_relaxed) != seen) return;
-      _mm_prefetch(p + b, _MM_HINT_T1);
+    begin *= next.unit, end *= next.unit;
+    int64_t left = kWarmBytes;
+    for (int k = 0; k < next.n_spans && left > 0; ++k) {
+      const Product::Span& span = next.spans[k];
+      const int64_t from = std::max(begin, span.first), to = std::min(end, span.first + span.rows);
+      if (from >= to) continue;
+      const char* p = span.data + (from - span.first) * span.row_bytes;
+      const int64_t bytes = std::min<int64_t>((to - from) * span.row_bytes, left);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        if ((b & 4095) == 0 && generation_.load(std::memory_order_relaxed) != seen) return;
+        _mm_prefetch(p + b, _MM_HINT_T1);
+      }
+      left -= bytes;
     }
 #else
     (void)id, (void)seen;
@@ -677,18 +716,25 @@ class Helpers {
   // Notes that `p` (m rows, `threads` threads) followed the previous product run through the
   // helpers, for `warm`.
   void record(const Product& p, int64_t m, int64_t threads) {
-    if (p.data == nullptr) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (last_ != nullptr)
-      next_[slot_of(last_)] = Next{last_, p.data, p.row_bytes, m, p.n, threads};
-    last_ = p.data;
+    if (p.n_spans == 0) return;
+    const char* key = p.spans[0].data;
+    std::lock_guard<SpinLock> lock(mutex_);
+    if (last_ != nullptr) {
+      Next& next = next_[slot_of(last_)];
+      next.after = last_;
+      std::copy(p.spans, p.spans + p.n_spans, next.spans);
+      next.n_spans = p.n_spans;
+      next.unit = p.unit, next.m = m, next.n = p.n, next.threads = threads;
+    }
+    last_ = key;
   }
 
  private:
   struct Next {
-    const char* after = nullptr;  // the product this one followed
-    const char* data = nullptr;
-    int64_t row_bytes = 0, m = 0, n = 0, threads = 0;
+    const char* after = nullptr;  // the first weights of the product this one followed
+    Product::Span spans[Product::kMaxSpans] = {};
+    int n_spans = 0;
+    int64_t unit = 1, m = 0, n = 0, threads = 0;  // m in units
   };
   static size_t slot_of(const char* data) {
     return (reinterpret_cast<uintptr_t>(data) >> 6) % kNextSlots;
@@ -707,7 +753,11 @@ class Helpers {
   std::atomic<int64_t> solo_left_{0};
   std::atomic<int64_t> products_{0};  // products offered so far, for kStallWindow
   std::atomic<int64_t> last_stall_{-kStallWindow - 1};
-  std::mutex mutex_;
+  // The offer and the order of products, held for a few loads and stores: a spin lock, since a
+  // std::mutex that a helper and the caller both took every product put one of them to sleep in
+  // the kernel now and then (futex waits; a 288 x 288 product took 8 us where its rows take 5).
+  SpinLock mutex_;
+  std::mutex sleep_mutex_;  // for helpers that sleep after kSpinMs without work
   std::condition_variable wake_;
   std::shared_ptr<Work> offered_;
   std::atomic<uint64_t> generation_{0};
@@ -855,7 +905,7 @@ ffi::Error MatvecF32(ffi::ThreadPool pool, F32Matrix w, F32Vector x, ffi::Remain
                      F32Result y, int32_t prologue, float eps, int32_t residual) {
   const int64_t m = w.dimensions()[0], n = w.dimensions()[1];
   Product p{rows<float>, w.typed_data(), nullptr, nullptr, nullptr, n};
-  p.data = static_cast<const char*>(w.untyped_data()), p.row_bytes = n * 4;
+  p.weights(w.untyped_data(), m, n * 4);
   return product(pool, p, m, x, extra, y, prologue, eps, residual);
 }
 
@@ -863,7 +913,7 @@ ffi::Error MatvecBf16(ffi::ThreadPool pool, Bf16Matrix w, F32Vector x, ffi::Rema
                       F32Result y, int32_t prologue, float eps, int32_t residual) {
   const int64_t m = w.dimensions()[0], n = w.dimensions()[1];
   Product p{rows<uint16_t>, w.untyped_data(), nullptr, nullptr, nullptr, n};
-  p.data = static_cast<const char*>(w.untyped_data()), p.row_bytes = n * 2;
+  p.weights(w.untyped_data(), m, n * 2);
   return product(pool, p, m, x, extra, y, prologue, eps, residual);
 }
 
@@ -874,7 +924,7 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q, F32Vector scale, F32Ve
   if (scale.dimensions().size() != 1 || scale.dimensions()[0] != m)
     return ffi::Error::InvalidArgument("jllama matvec_int8: scale must be f32[m]");
   Product p{rows_int8, q.typed_data(), scale.typed_data(), nullptr, nullptr, n};
-  p.data = static_cast<const char*>(q.untyped_data()), p.row_bytes = n;
+  p.weights(q.untyped_data(), m, n);
   return product(pool, p, m, x, extra, y, prologue, eps, residual);
 }
 
@@ -899,6 +949,7 @@ ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale,
 // integer types' are `ggml::row_dot` over x quantized once per call (ggml_dot.h).
 
 constexpr int kMaxParts = 4;
+static_assert(kMaxParts <= Product::kMaxSpans, "a GGML product's parts are its spans");
 
 struct GgmlPart {
   const uint8_t* data;  // u8[rows, row_bytes]
@@ -1004,19 +1055,30 @@ ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, 
     return ffi::Error::InvalidArgument("jllama matvec_ggml: 1 to 4 weight parts");
   *m = 0, *bytes = 0, *integer = false;
   for (int64_t k = 0; k < n_parts; ++k) {
-    auto w = args.get<U8Matrix>(k);
+    // A part is its bytes, u8[rows, row_bytes]; an F32 or BF16 part may come as the typed
+    // matrix itself, f32/bf16[rows, n] (`jllama.ggml_matrix.FloatRows`: no byte view to make).
+    auto w = args.get<ffi::AnyBuffer>(k);
     if (w.has_error()) return w.error();
     const ggml::Layout layout = ggml::layout(types[k]);
     if (layout.elements == 0 || n % layout.elements != 0)
       return ffi::Error::InvalidArgument(
           "jllama matvec_ggml: a part's type is unknown or its blocks do not divide x's length");
-    const int64_t rows = w->dimensions()[0], row_bytes = n / layout.elements * layout.bytes;
-    if (w->dimensions()[1] != row_bytes)
+    const int64_t row_bytes = n / layout.elements * layout.bytes;
+    const auto dims = w->dimensions();
+    const ffi::DataType dtype = w->element_type();
+    const bool typed = (dtype == ffi::DataType::F32 && types[k] == ggml::F32) ||
+                       (dtype == ffi::DataType::BF16 && types[k] == ggml::BF16);
+    if (dims.size() != 2 || (dtype != ffi::DataType::U8 && !typed))
+      return ffi::Error::InvalidArgument(
+          "jllama matvec_ggml: a part must be u8[rows, row_bytes] (or f32/bf16[rows, n] for F32/BF16)");
+    const int64_t rows = dims[0];
+    if (dims[1] != (typed ? n : row_bytes))
       return ffi::Error::InvalidArgument("jllama matvec_ggml: a part's rows are not x's length");
     if (ggml::x8_type(types[k]) && (rows % 8 != 0 || *m % 8 != 0 || kVectorWidth < 8))
       return ffi::Error::InvalidArgument(
           "jllama matvec_ggml: an x8 part needs rows a multiple of 8 and an AVX2 build");
-    g.parts[k] = GgmlPart{w->typed_data(), *m, rows, row_bytes, types[k]};
+    g.parts[k] = GgmlPart{static_cast<const uint8_t*>(w->untyped_data()), *m, rows, row_bytes,
+                          types[k]};
     *m += rows;
     *bytes += rows * row_bytes;
     *integer = *integer || ggml::integer_type(types[k]);
@@ -1064,7 +1126,13 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
   // `run` sizes its blocks and decides to split by weights per row: a byte of a quantized row
   // costs about what a float32 weight does (decoding it is most of the work).
   const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m)) * g.unit;
-  run(pool, Product{rows_ggml, &g, nullptr, nullptr, g.y, cost}, m / g.unit);
+  Product p{rows_ggml, &g, nullptr, nullptr, g.y, cost};
+  for (int k = 0; k < g.n_parts; ++k)
+    p.spans[k] = Product::Span{reinterpret_cast<const char*>(g.parts[k].data), g.parts[k].first,
+                               g.parts[k].rows, g.parts[k].row_bytes};
+  p.n_spans = g.n_parts;
+  p.unit = g.unit;
+  run(pool, p, m / g.unit);
   if (add != nullptr)
     for (int64_t i = 0; i < m; ++i) g.y[i] = add[i] + g.y[i];
   return ffi::Error::Success();
