@@ -197,9 +197,10 @@ class NumpyBackend:
         self.config = config
         self.weights = cast_weights(weights, "float32")
         self.weights_note = ""
-        if weights_dtype(weights) not in ("float32", "bfloat16"):
+        held = weights_dtype(weights)
+        if held not in ("float32", "bfloat16"):
             self.weights_note = (
-                f"the numpy backend computes with {weights_dtype(weights)} weights dequantized to "
+                f"the numpy backend computes with {held} weights dequantized to "
                 f"float32: weights {weights_nbytes(self.weights) / 1e6:.1f} MB"
             )
         self.cache = KVCache.zeros(config)

@@ -499,9 +499,15 @@ struct Work {
     shares = std::min(threads, blocks);
     share.reset(new Share[shares]);
     for (int64_t i = 0; i < shares; ++i) {
-      const uint64_t front = blocks * i / shares, end = blocks * (i + 1) / shares;
+      const uint64_t front = first_block(blocks, shares, i);
+      const uint64_t end = first_block(blocks, shares, i + 1);
       share[i].range.store(end << 32 | front, std::memory_order_relaxed);
     }
+  }
+
+  // Share i of `shares` begins at this block (share `shares` "begins" at the end).
+  static int64_t first_block(int64_t blocks, int64_t shares, int64_t i) {
+    return blocks * i / shares;
   }
 
   static int64_t block_rows(int64_t n) {
@@ -515,8 +521,8 @@ struct Work {
     const int64_t shares = std::min(threads, blocks);
     *begin = *end = 0;
     if (id >= shares) return;
-    *begin = blocks * id / shares * block;
-    *end = std::min(m, blocks * (id + 1) / shares * block);
+    *begin = first_block(blocks, shares, id) * block;
+    *end = std::min(m, first_block(blocks, shares, id + 1) * block);
   }
 
   static int64_t take(std::atomic<uint64_t>& range, bool from_front) {
