@@ -1,13 +1,24 @@
-"""The backend protocol: what the generation loop needs from a model implementation.
+"""The backend protocols: what the generation loop needs from a model implementation, and
+what else a backend may offer.
 
-A backend turns one token at one position into next-token logits, keeping its own KV cache.
-Positions are given in order from 0 for each sequence; a call at position 0 starts a new
-sequence (nothing from earlier sequences is visible to it).
+A backend turns one token at one position into next-token logits, keeping its own KV cache
+(`Backend`). Positions are given in order from 0 for each sequence; a call at position 0 starts
+a new sequence (nothing from earlier sequences is visible to it).
+
+The other protocols are capabilities a backend may have; `jllama.session.Session` checks them
+with `isinstance` (each is `runtime_checkable`) and uses what is there:
+
+  Prefill          a whole prompt in one call
+  PrefillLogits    every position's logits of a batch (perplexity)
+  DeviceLoop       a chunk of tokens sampled on the device per call
+  CompilePlanning  compiling a generation's programs before it starts
+  Described        its platform, and notes on what `prepare` chose
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -37,6 +48,76 @@ class Backend(Protocol):
         (0 <= pos < seq_len, given in order from 0) and return the logits for the next token,
         f32[vocab_size] as a NumPy array. Raises ValueError for a token or position out of
         range."""
+        ...
+
+
+@runtime_checkable
+class Prefill(Protocol):
+    """A backend that feeds a whole prompt in one call (batched prefill)."""
+
+    def prefill(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        """Feed `tokens` at positions start_pos, start_pos+1, ... and return the logits after
+        the last one, f32[vocab_size] (what `forward` of the last token returns, up to float
+        rounding). Raises ValueError for no tokens or positions beyond seq_len."""
+        ...
+
+
+@runtime_checkable
+class PrefillLogits(Protocol):
+    """A backend that returns the logits after every token of a batch (for a perplexity)."""
+
+    def prefill_logits(self, tokens: Sequence[int], start_pos: int, first: int = 0) -> np.ndarray:
+        """Feed `tokens` from `start_pos` and return the logits after each of tokens[first:],
+        f32[len(tokens) - first, vocab_size]. Raises ValueError for no tokens, `first` out of
+        range or positions beyond seq_len."""
+        ...
+
+
+@runtime_checkable
+class DeviceLoop(Protocol):
+    """A backend that samples a chunk of tokens on the device per call (the `loop` decode
+    mode), with run.c's sampler (`jllama.graphs.SAMPLING_KINDS`)."""
+
+    loop_chunk: int
+    """The most tokens one `decode_loop` call samples."""
+
+    def decode_loop(self, token: int, pos: int, n: int, kind: str = "greedy",
+                    temperature: float = 1.0, top_p: float = 1.0, coins=None,
+                    stop_ids: Sequence[int] = ()) -> tuple[list[int], bool]:
+        """Feed `token` at `pos` and sample up to min(n, loop_chunk) tokens after it; returns
+        (ids, finite), ids ending early after a stop token, finite False at NaN/inf logits."""
+        ...
+
+    def compile_loop(self, kind: str = "greedy") -> float:
+        """Compile `decode_loop` for `kind` (before a sequence starts); seconds taken."""
+        ...
+
+
+@runtime_checkable
+class CompilePlanning(Protocol):
+    """A backend that compiles, before a generation, the programs the generation will need."""
+
+    compile_seconds: float
+    """Seconds spent compiling so far (the warm-up in `prepare` and every `compile_for`)."""
+
+    def compile_for(self, prompt_len: int, last: int, kind: str | None = None,
+                    chunked: bool = True, start: int = 0) -> float:
+        """Compile what `prompt_len` prompt tokens fed from `start` (batched when `chunked`)
+        and decoding up to position `last` need (`kind`: the device loop's sampler, or None);
+        leaves positions < start in the cache as they are. Returns the seconds taken."""
+        ...
+
+
+@runtime_checkable
+class Described(Protocol):
+    """A backend that says where it runs and what it chose in `prepare`."""
+
+    platform: str
+    """The platform it runs on: "cpu", "gpu", "tpu"."""
+
+    def notes(self) -> list[str]:
+        """Lines for the user about choices made in `prepare` (a fallback to XLA's products,
+        widened weights, parts not split over devices); empty when there are none."""
         ...
 
 
