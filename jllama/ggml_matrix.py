@@ -10,10 +10,11 @@ activations quantized to int8 per 32, the float types (F32, F16, BF16) against f
 its own type: a layer's wq, wk and wv become one product (`wqkv`) even where the file stores
 them in different types (a Q4_K_M file's attn_v is often Q6_K or Q8_0 beside Q4_K or Q5_0).
 
-Both are frozen dataclasses registered as JAX pytrees whose only leaves are the byte arrays
-(the type ids and lengths are static), so they travel through `jax.device_put` and `jax.jit`
-like arrays; `np.asarray` of either is the dequantized float32 matrix, exactly ggml's values
-(what the NumPy reference and XLA's products compute with).
+Both are frozen dataclasses, registered by `jllama.pytrees` (imported by the JAX code; this
+module imports no JAX) as JAX pytrees whose only leaves are the byte arrays (the type ids and
+lengths are static), so they travel through `jax.device_put` and `jax.jit` like arrays;
+`np.asarray` of either is the dequantized float32 matrix, exactly ggml's values (what the NumPy
+reference and XLA's products compute with).
 
 `quantize(w, type)` makes Q8_0, Q4_0 or Q4_1 blocks from float weights as ggml's reference
 quantizers do (`quantize_row_q8_0_ref`, `_q4_0_ref`, `_q4_1_ref`), for `--dtype=q4` and
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from jllama.formats import ggml_quants as gq
@@ -101,9 +101,6 @@ class GGMLMatrix:
         return out if dtype is None else out.astype(dtype)
 
 
-jax.tree_util.register_dataclass(GGMLMatrix, data_fields=["data"], meta_fields=["type_id", "cols"])
-
-
 @dataclasses.dataclass(frozen=True)
 class RowStack:
     """Matrices with the same `cols` stacked along their rows, each in its own GGML type: the
@@ -131,8 +128,6 @@ class RowStack:
         out = np.concatenate([np.asarray(p) for p in self.parts], axis=0)
         return out if dtype is None else out.astype(dtype)
 
-
-jax.tree_util.register_dataclass(RowStack, data_fields=["parts"], meta_fields=[])
 
 @dataclasses.dataclass(frozen=True)
 class LayerStack:
@@ -171,9 +166,6 @@ class LayerStack:
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.stack([np.asarray(m) for m in self.layers])
         return out if dtype is None else out.astype(dtype)
-
-
-jax.tree_util.register_dataclass(LayerStack, data_fields=["layers"], meta_fields=[])
 
 
 def type_names(m) -> set[str]:
@@ -361,8 +353,6 @@ class FloatRows:
     def ndim(self) -> int:
         return 2
 
-
-jax.tree_util.register_dataclass(FloatRows, data_fields=["parts"], meta_fields=[])
 
 FLOAT_TYPES = {"float32": gq.F32, "bfloat16": gq.BF16}
 

@@ -18,23 +18,22 @@ scale per 32 weights of a row; read with `--dtype=int8` they are held exactly as
 `Int8Matrix` with group scales, `scale: f32[..., out, in // 32]` (`grouped`), rather than
 dequantized and quantized again per row.
 
-`Int8Matrix` is a frozen dataclass registered as a JAX pytree, so it travels through
-`jax.device_put` and `jax.jit` like the arrays it replaces; it has `shape`, `dtype`
-(int8), `nbytes` and `ndim`, indexes along its leading (layer) axis, and `np.asarray` of it
-is the dequantized float32 matrix (what the NumPy reference computes with).
+`Int8Matrix` is a frozen dataclass, registered as a JAX pytree by `jllama.pytrees` (imported by
+the JAX code; this module imports no JAX), so it travels through `jax.device_put` and `jax.jit`
+like the arrays it replaces; it has `shape`, `dtype` (int8), `nbytes` and `ndim`, indexes along
+its leading (layer) axis, and `np.asarray` of it is the dequantized float32 matrix (what the
+NumPy reference computes with).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 INT8_MAX = 127
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int8Matrix:
     """A weight matrix (or a stack of them) as int8 values and per-row float32 scales.

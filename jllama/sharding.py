@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import jllama.pytrees  # noqa: F401 (registers the weight dataclasses as JAX pytrees)
 from jllama.config import ModelConfig
 from jllama.errors import JllamaError
 from jllama.quant import Int8Matrix

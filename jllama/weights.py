@@ -11,21 +11,20 @@ Separate per-layer arrays matter on XLA CPU: slicing a layer out of a stacked ar
 compiled program makes XLA copy the whole matrix before the dot (measured in JAX 0.10: a
 5632x2048 matrix-vector product fell from 20.5 to 4.3 GB/s).
 
-Both are frozen dataclasses registered as JAX pytrees.
+Both are frozen dataclasses, registered as JAX pytrees by `jllama.pytrees` (which the JAX code
+imports), so this module imports no JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from jllama.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TransformerWeights:
     """All weights of a model in llama2.c's file layout (row-major, out x in).
@@ -247,7 +246,6 @@ def _cast_matrix(array, dtype: str):
     return blocks(array, Q4_TYPE, Q4_KEEP)
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerWeights:
     """One layer's weights in the compiled programs' layout (out x in).
@@ -271,7 +269,6 @@ class LayerWeights:
     w3: np.ndarray
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GraphWeights:
     """The whole model in the compiled programs' layout.

@@ -37,6 +37,7 @@ from jllama.kernels.library import (
     build,
     check_library,
 )
+import jllama.pytrees  # noqa: F401 (registers the weight dataclasses as JAX pytrees)
 from jllama.ggml_matrix import FLOAT_TYPES, FloatRows, GGMLMatrix, RowStack
 from jllama.quant import Int8Matrix
 
