@@ -14,11 +14,13 @@ from jllama.sampling import (
     Candidates,
     Sampler,
     SamplerConfig,
+    SamplerSettingError,
     apply_logit_bias,
     apply_penalties,
     log_softmax,
     min_p_filter,
     restrict_to_vocabulary,
+    check_setting,
     top_k_filter,
 )
 
@@ -129,7 +131,7 @@ def test_log_softmax_by_hand():
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=True), "top_k"),
         (dict(top_k=1.5), "top_k"),
         (dict(min_p=1.5), "min_p"),
         (dict(min_p="0.1"), "min_p"),
@@ -146,6 +148,30 @@ def test_log_softmax_by_hand():
 def test_bad_chain_settings_name_the_field(kwargs, name):
     with pytest.raises(SamplerError, match=name):
         Sampler(**kwargs)
+
+
+def test_top_k_zero_or_less_is_off_as_llama_cpp_reads_it():
+    # llama.cpp's llama_sampler_top_k: k <= 0 keeps every token. Stored as 0, so the configs
+    # are equal, and the draws follow the whole distribution 0.1, 0.2, 0.3, 0.4.
+    assert SamplerConfig(top_k=-1).top_k == 0 and SamplerConfig(top_k=-40) == SamplerConfig()
+    probs = np.array([0.1, 0.2, 0.3, 0.4], F32)
+    freq = _frequencies(Sampler(temperature=1.0, top_p=1.0, top_k=-1, seed=5), np.log(probs))
+    np.testing.assert_allclose(freq, probs, atol=0.03)
+
+
+def test_check_setting_gives_the_reason_apart_from_the_name():
+    with pytest.raises(SamplerSettingError) as error:
+        check_setting("top_p", 1.5)
+    assert (error.value.name, error.value.reason) == ("top_p", "must be a number in [0, 1], got 1.5")
+    assert str(error.value) == "top_p: must be a number in [0, 1], got 1.5"
+    assert isinstance(error.value, SamplerError)
+    with pytest.raises(SamplerSettingError, match="^temperature: must be a finite number >= 0"):
+        SamplerConfig(temperature=-1)
+    assert check_setting("top_k", -3) == 0
+    assert check_setting("logit_bias", {5: 1, 2: -1.5}) == ((2, -1.5), (5, 1.0))
+    assert check_setting("order", list(LLAMA_CPP_ORDER)) == LLAMA_CPP_ORDER
+    with pytest.raises(SamplerSettingError, match="^wrong: is not a sampler setting"):
+        check_setting("wrong", 1)
 
 
 def test_config_with_bias_is_hashable_and_round_trips():
