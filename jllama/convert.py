@@ -19,6 +19,7 @@ from jllama.config import ModelConfig
 from jllama.errors import ConfigError
 from jllama.formats.llama2c import (
     DEFAULT_GROUP_SIZE,
+    WrittenCheckpoint,
     check_version,
     fit_group_size,
     write_checkpoint,
@@ -26,32 +27,25 @@ from jllama.formats.llama2c import (
 from jllama.loading import open_model
 
 
-@dataclasses.dataclass(frozen=True)
-class ConvertReport:
-    """What `convert` read and wrote.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvertReport(WrittenCheckpoint):
+    """What `convert` read and wrote: the `WrittenCheckpoint` of the file (its path, version,
+    nbytes, group_size, max_quantization_error and quantization_errors) and the source.
 
     Attributes:
       source: the checkpoint read (its resolved path).
       source_format: `open_model`'s file_format ("llama2c", "gguf", ...).
-      destination: the file written (a link's target when `dst` was a symbolic link).
-      version: llama2.c version written (0, 1 or 2).
       config: the model's config as written (seq_len: the source's whole context).
-      nbytes: size of the file written, bytes.
-      group_size: Q8_0 elements per scale as stored (version 2), else 0.
-      max_quantization_error: largest |dequantized - original| over all quantized weights
-        (version 2), else 0.0.
-      quantization_errors: the same per `TransformerWeights` field (version 2), else {}.
     """
 
     source: str
     source_format: str
-    destination: Path
-    version: int
     config: ModelConfig
-    nbytes: int
-    group_size: int = 0
-    max_quantization_error: float = 0.0
-    quantization_errors: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def destination(self) -> Path:
+        """The file written (a link's target when `dst` was a symbolic link): `path`."""
+        return self.path
 
 
 def _refuse_overwriting_source(source: Path, dst: Path) -> None:
@@ -113,14 +107,8 @@ def convert(
     written = write_checkpoint(
         dst, model.config, model.weights, version=version, group_size=group_size, force=force
     )
+    written_fields = {f.name: getattr(written, f.name) for f in dataclasses.fields(written)}
     return ConvertReport(
-        source=model.source,
-        source_format=model.file_format,
-        destination=written.path,
-        version=written.version,
+        **written_fields, source=model.source, source_format=model.file_format,
         config=model.config,
-        nbytes=written.nbytes,
-        group_size=written.group_size,
-        max_quantization_error=written.max_quantization_error,
-        quantization_errors=written.quantization_errors,
     )

@@ -101,10 +101,41 @@ class GGMLMatrix:
         return out if dtype is None else out.astype(dtype)
 
 
+class _Matrices:
+    """What `RowStack` and `LayerStack` share: several `GGMLMatrix` held apart (`matrices`),
+    read as one array by joining them with `_join` (along their rows, or along a new leading
+    layer axis)."""
+
+    _join = staticmethod(np.concatenate)
+
+    @property
+    def matrices(self) -> tuple[GGMLMatrix, ...]:
+        raise NotImplementedError
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: every matrix's blocks as stored."""
+        return sum(m.nbytes for m in self.matrices)
+
+    @property
+    def type_names(self) -> set[str]:
+        """The ggml type names of the matrices, e.g. {"Q4_K", "Q6_K"}."""
+        return {m.type_name for m in self.matrices}
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The dequantized matrices joined, f32 (a new array, ggml's exact values)."""
+        out = self._join([np.asarray(m) for m in self.matrices])
+        return out if dtype is None else out.astype(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class RowStack:
+class RowStack(_Matrices):
     """Matrices with the same `cols` stacked along their rows, each in its own GGML type: the
-    product with x is the parts' products end to end.
+    product with x is the parts' products end to end. Its shape is [sum of rows_k, cols].
 
     Attributes:
       parts: 2 to 4 `GGMLMatrix` of shape [rows_k, cols].
@@ -113,49 +144,26 @@ class RowStack:
     parts: tuple[GGMLMatrix, ...]
 
     @property
+    def matrices(self) -> tuple[GGMLMatrix, ...]:
+        return self.parts
+
+    @property
     def shape(self) -> tuple[int, int]:
         return (sum(p.shape[0] for p in self.parts), self.parts[0].cols)
 
-    @property
-    def ndim(self) -> int:
-        return 2
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = np.concatenate([np.asarray(p) for p in self.parts], axis=0)
-        return out if dtype is None else out.astype(dtype)
-
 
 @dataclasses.dataclass(frozen=True)
-class LayerStack:
+class LayerStack(_Matrices):
     """One weight of every layer, each layer's matrix in its own type (a Q4_K_M file stores
     ffn_down as Q4_K in some layers and Q6_K in others): `TransformerWeights`' layer-stacked
-    field for GGML weights. `stack[l]` is layer l's matrix.
+    field for GGML weights, of shape [n_layers, rows, cols]. `stack[l]` is layer l's matrix.
 
     Attributes:
       layers: a `GGMLMatrix` [rows, cols] per layer, all of one shape.
     """
 
     layers: tuple[GGMLMatrix, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (len(self.layers), *self.layers[0].shape)
-
-    @property
-    def ndim(self) -> int:
-        return 3
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.layers)
-
-    @property
-    def type_names(self) -> set[str]:
-        return {m.type_name for m in self.layers}
+    _join = staticmethod(np.stack)
 
     def __getitem__(self, layer: int) -> GGMLMatrix:
         return self.layers[layer]
@@ -163,18 +171,18 @@ class LayerStack:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = np.stack([np.asarray(m) for m in self.layers])
-        return out if dtype is None else out.astype(dtype)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.layers), *self.layers[0].shape)
+
+    @property
+    def matrices(self) -> tuple[GGMLMatrix, ...]:
+        return self.layers
 
 
 def type_names(m) -> set[str]:
     """The ggml type names a GGMLMatrix, RowStack or LayerStack holds."""
-    if isinstance(m, GGMLMatrix):
-        return {m.type_name}
-    if isinstance(m, RowStack):
-        return {p.type_name for p in m.parts}
-    return set(m.type_names)
+    return {m.type_name} if isinstance(m, GGMLMatrix) else m.type_names
 
 
 def is_ggml(m) -> bool:

@@ -1,7 +1,8 @@
-"""GGML tensor types: sizes and dequantization to float32, block by block.
+"""GGML tensor types: dequantization to float32, block by block.
 
 A GGUF file stores each tensor as rows of its innermost dimension, each row a run of blocks.
-A block holds a fixed number of elements in a fixed number of bytes. The layouts are those of
+A block holds a fixed number of elements in a fixed number of bytes (the ids, names and sizes
+are `jllama.formats.ggml_types`', re-exported here). The layouts are those of
 ggml's `block_*` structs (ggml-common.h) as the GGUF specification (ggml's docs/gguf.md)
 describes them. All numbers are little-endian; "bits a..b" count from the least significant:
 
@@ -65,100 +66,30 @@ from __future__ import annotations
 import numpy as np
 
 from jllama.errors import CheckpointError
-
-# Type ids of ggml's `enum ggml_type`, as stored in a GGUF tensor-info record.
-F32 = 0
-F16 = 1
-Q4_0 = 2
-Q4_1 = 3
-Q5_0 = 6
-Q5_1 = 7
-Q8_0 = 8
-Q2_K = 10
-Q3_K = 11
-Q4_K = 12
-Q5_K = 13
-Q6_K = 14
-BF16 = 30
-
-# The names of every id in ggml's `enum ggml_type` (gaps are ids ggml has retired), so an error
-# can name a type this module does not read.
-_TYPE_NAMES: dict[int, str] = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
-    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
-    22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
-}
-
-# type id -> (elements per block, bytes per block), for the types `dequantize` reads.
-BLOCK_SIZES: dict[int, tuple[int, int]] = {
-    F32: (1, 4),
-    F16: (1, 2),
-    BF16: (1, 2),
-    Q8_0: (32, 34),
-    Q4_0: (32, 18),
-    Q4_1: (32, 20),
-    Q5_0: (32, 22),
-    Q5_1: (32, 24),
-    Q2_K: (256, 84),
-    Q3_K: (256, 110),
-    Q4_K: (256, 144),
-    Q5_K: (256, 176),
-    Q6_K: (256, 210),
-}
-
-SUPPORTED: frozenset[int] = frozenset(BLOCK_SIZES)
-_SUPPORTED_LIST = ", ".join(_TYPE_NAMES[t] for t in BLOCK_SIZES)
+from jllama.formats.ggml_types import (  # noqa: F401 (this module's public names before the split)
+    BF16,
+    BLOCK_SIZES,
+    F16,
+    F32,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    SUPPORTED,
+    block_layout,
+    row_nbytes,
+    type_name,
+)
 
 _F16 = np.dtype("<f2")
 _F32 = np.dtype("<f4")
 _U16 = np.dtype("<u2")
-
-
-def type_name(type_id: int) -> str:
-    """The ggml name of a type id, e.g. 14 -> "Q6_K"; "type <id>" for an id ggml does not have."""
-    return _TYPE_NAMES.get(type_id, f"type {type_id}")
-
-
-def _describe(type_id: int) -> str:
-    if type_id in _TYPE_NAMES:
-        return f"{_TYPE_NAMES[type_id]} (type {type_id})"
-    return f"type {type_id} (not a ggml type)"
-
-
-def block_layout(type_id: int) -> tuple[int, int]:
-    """(elements, bytes) per block of a type `dequantize` reads, e.g. Q4_K -> (256, 144); a
-    row of n elements (n a multiple of the first) takes n // elements * bytes bytes.
-
-    Raises:
-      CheckpointError: `type_id` is not in `SUPPORTED` (the one-line message names the type
-        and lists the supported ones).
-    """
-    try:
-        return BLOCK_SIZES[type_id]
-    except (KeyError, TypeError):
-        raise CheckpointError(
-            f"{_describe(type_id)} is not supported; supported: {_SUPPORTED_LIST}"
-        ) from None
-
-
-def row_nbytes(type_id: int, cols: int) -> int:
-    """Bytes of one row of `cols` elements of type `type_id`.
-
-    Raises:
-      CheckpointError: an unsupported type, a negative `cols`, or `cols` not a multiple of the
-        type's block size.
-    """
-    block, nbytes = block_layout(type_id)
-    if cols < 0:
-        raise CheckpointError(f"{type_name(type_id)} row of {cols} elements: negative length")
-    if cols % block:
-        raise CheckpointError(
-            f"{type_name(type_id)} rows of {cols} elements: not a multiple of the block size "
-            f"{block}"
-        )
-    return cols // block * nbytes
 
 
 def _as_bytes(raw) -> np.ndarray:
@@ -167,6 +98,29 @@ def _as_bytes(raw) -> np.ndarray:
     if isinstance(raw, np.ndarray):
         return np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _checked_bytes(raw, type_id: int, shape) -> tuple[tuple[int, ...], np.ndarray]:
+    """(shape as ints, u8[n] the bytes of raw) of a tensor of `type_id`, checked as `dequantize`
+    says: a supported type, a shape with dimensions none negative, rows a multiple of the block
+    size, and exactly the bytes the shape takes.
+
+    Raises:
+      CheckpointError: one of those does not hold (the type and the numbers named).
+    """
+    name = type_name(type_id)
+    block_layout(type_id)
+    shape = tuple(int(n) for n in shape)
+    if not shape or min(shape) < 0:
+        raise CheckpointError(f"{name} tensor of shape {shape}: not a valid shape")
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    expected = rows * row_nbytes(type_id, shape[-1])
+    buf = _as_bytes(raw)
+    if buf.size != expected:
+        raise CheckpointError(
+            f"{name} tensor of shape {shape} takes {expected} bytes, got {buf.size}"
+        )
+    return shape, buf
 
 
 def _scale(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -382,18 +336,7 @@ def dequantize(raw, type_id: int, shape) -> np.ndarray:
         the shape. The one-line message names the type and the numbers, not the tensor; the
         caller adds the file and the tensor name.
     """
-    name = type_name(type_id)
-    _, nbytes = block_layout(type_id)
-    shape = tuple(int(n) for n in shape)
-    if not shape or min(shape) < 0:
-        raise CheckpointError(f"{name} tensor of shape {shape}: not a valid shape")
-    rows = int(np.prod(shape[:-1], dtype=np.int64))
-    expected = rows * row_nbytes(type_id, shape[-1])
-    buf = _as_bytes(raw)
-    if buf.size != expected:
-        raise CheckpointError(
-            f"{name} tensor of shape {shape} takes {expected} bytes, got {buf.size}"
-        )
+    shape, buf = _checked_bytes(raw, type_id, shape)
     if type_id == F32:
         return buf.view(_F32).astype(np.float32, copy=False).reshape(shape)
     if type_id == F16:
@@ -402,7 +345,7 @@ def dequantize(raw, type_id: int, shape) -> np.ndarray:
         bits = buf.view(_U16).astype(np.uint32)
         bits <<= 16
         return bits.view(np.float32).reshape(shape)
-    blocks = buf.reshape(-1, nbytes)
+    blocks = buf.reshape(-1, block_layout(type_id)[1])
     with np.errstate(all="ignore"):  # NaN/inf scales give NaN/inf, as in ggml, and no warning
         return _BLOCK_DEQUANTIZERS[type_id](blocks).reshape(shape)
 
@@ -422,18 +365,8 @@ def int8_groups(raw, type_id: int, shape) -> tuple[np.ndarray, np.ndarray]:
     """
     if type_id not in INT8_GROUP_TYPES:
         raise CheckpointError(f"{type_name(type_id)} is not int8 with group scales")
-    shape = tuple(int(n) for n in shape)
-    row_nbytes(type_id, shape[-1] if shape else -1)  # the block-size check
-    blocks = _as_bytes(raw)
-    rows = int(np.prod(shape[:-1], dtype=np.int64))
-    expected = rows * row_nbytes(type_id, shape[-1])
-    if blocks.size != expected:
-        raise CheckpointError(
-            f"{type_name(type_id)} tensor of shape {shape} takes {expected} bytes, got "
-            f"{blocks.size}"
-        )
-    _, nbytes = block_layout(type_id)
-    blocks = blocks.reshape(-1, nbytes)
+    shape, buf = _checked_bytes(raw, type_id, shape)
+    blocks = buf.reshape(-1, block_layout(type_id)[1])
     scale = _scale(blocks, 0).reshape(*shape[:-1], shape[-1] // 32)
     if type_id == Q8_0:
         q = blocks[:, 2:].view(np.int8)

@@ -1,0 +1,208 @@
+"""A llama-architecture GGUF's metadata as a `ModelConfig` (and its RoPE factors tensor).
+
+Metadata keys read (prefix `llama.`, as llama.cpp's `llm_load_hparams` for LLM_ARCH_LLAMA):
+  embedding_length -> dim, feed_forward_length -> hidden_dim, block_count -> n_layers,
+  attention.head_count -> n_heads, attention.head_count_kv -> n_kv_heads (default n_heads),
+  attention.key_length -> head_dim (default dim // n_heads; value_length must agree),
+  context_length -> seq_len (capped by the caller's `seq_len`),
+  attention.layer_norm_rms_epsilon -> norm_eps, rope.freq_base -> rope_theta (default 10000),
+  rope.dimension_count (must be head_dim: partial rotary embeddings are not supported),
+  vocab_size (default: the tokenizer's token count).
+RoPE scaling, as llama.cpp reads it (`llama_model::load_hparams`, `llama_context`'s cparams,
+ggml's rope):
+  rope.scaling.type (default "linear", llama.cpp's default): "none" (no scaling whatever the
+    factor), "linear", or "yarn"/"longrope" (refused: not implemented);
+  rope.scaling.factor (else the older rope.scale_linear; default 0, which means 1): every
+    frequency divided by it (llama.cpp's freq_scale = 1 / factor);
+  rope.scaling.attn_factor: must be 1 if present (llama.cpp multiplies cos and sin by it;
+    jllama does not); rope.scaling.original_context_length, .finetuned and the yarn_* keys
+    change nothing outside YaRN and are only type-checked;
+  tensor rope_freqs.weight (Llama 3.1/3.2, written by convert_hf_to_gguf.py's
+    `LlamaModel.generate_extra_tensors` in place of any rope.scaling key): F32[head_dim / 2],
+    frequency i divided by rope_freqs[i], each factor finite and > 0. It makes a
+    "freq_factors" `RopeScaling` carrying the factors (and the linear factor on top, if any).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jllama.config import ModelConfig, RopeScaling
+from jllama.errors import CheckpointError, ConfigError
+from jllama.formats import ggml_types
+
+
+def _get(meta: Mapping[str, Any], key: str, source: str, kind: type, default: Any = ...):
+    if key not in meta:
+        if default is ...:
+            raise CheckpointError(f"{source}: required metadata key {key!r} is missing")
+        return default
+    value = meta[key]
+    if kind is int:
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise CheckpointError(
+            f"{source}: metadata key {key!r} is {value!r}, not a{'n' if kind is int else ''} "
+            f"{kind.__name__}"
+        )
+    return kind(value)
+
+
+def config_from_metadata(
+    meta: Mapping[str, Any], source: str, seq_len: int | None = None, vocab_size: int | None = None
+) -> ModelConfig:
+    """`ModelConfig` of a llama-architecture GGUF's metadata (keys in the module docstring).
+
+    Args:
+      meta: metadata keys to values, as `jllama.formats.gguf.read_metadata` gives.
+      source: the file, for error messages.
+      seq_len: cap on the context (tokens); None = the model's `context_length`.
+      vocab_size: the token count when the file has no `llama.vocab_size`.
+
+    Raises:
+      CheckpointError: not the llama architecture, a required key missing or of the wrong
+        type, or a feature jllama does not implement (partial rotary, YaRN or LongRoPE
+        scaling, a RoPE attn_factor).
+      ConfigError: values that do not make a valid model.
+    """
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(
+            f"{source}: architecture {arch!r} is not supported (jllama runs 'llama' GGUF files)"
+        )
+    p = "llama."
+    dim = _get(meta, p + "embedding_length", source, int)
+    n_heads = _get(meta, p + "attention.head_count", source, int)
+    n_kv_heads = _get(meta, p + "attention.head_count_kv", source, int, n_heads)
+    head_dim = _get(meta, p + "attention.key_length", source, int, 0)
+    value_length = _get(meta, p + "attention.value_length", source, int, head_dim)
+    if value_length != head_dim:
+        raise CheckpointError(
+            f"{source}: attention.key_length={head_dim} differs from "
+            f"attention.value_length={value_length}; jllama needs them equal"
+        )
+    if not head_dim and n_heads > 0 and dim % n_heads == 0:
+        head_dim = dim // n_heads
+    rope_dims = _get(meta, p + "rope.dimension_count", source, int, head_dim)
+    if rope_dims != head_dim:
+        raise CheckpointError(
+            f"{source}: rope.dimension_count={rope_dims} differs from head_dim={head_dim} "
+            "(partial rotary embeddings are not supported)"
+        )
+    rope_scaling = _rope_scaling(meta, source)
+    context_length = _get(meta, p + "context_length", source, int)
+    if vocab_size is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab_size = len(tokens) if isinstance(tokens, list) else None
+    vocab_size = _get(meta, p + "vocab_size", source, int, vocab_size)
+    if vocab_size is None:
+        raise CheckpointError(
+            f"{source}: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocab size"
+        )
+    if seq_len is not None and seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len} must be at least 1")
+    try:
+        return ModelConfig(
+            dim=dim,
+            hidden_dim=_get(meta, p + "feed_forward_length", source, int),
+            n_layers=_get(meta, p + "block_count", source, int),
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            vocab_size=vocab_size,
+            seq_len=min(context_length, seq_len) if seq_len else context_length,
+            shared_weights=True,
+            norm_eps=_get(meta, p + "attention.layer_norm_rms_epsilon", source, float),
+            rope_theta=_get(meta, p + "rope.freq_base", source, float, 10000.0),
+            head_dim=head_dim,
+            rope_scaling=rope_scaling,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+_ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+"""The `rope.scaling.type` values llama.cpp knows (`LLAMA_ROPE_SCALING_TYPES`)."""
+
+ROPE_FREQS = "rope_freqs.weight"
+"""The tensor of llama.cpp's per-frequency RoPE divisors (Llama 3.1/3.2 scaled RoPE)."""
+
+
+def _rope_scaling(meta: Mapping[str, Any], source: str) -> RopeScaling | None:
+    """The linear RoPE scaling of `llama.rope.scaling.*` (rules in the module docstring), or
+    None. The per-frequency factors of rope_freqs.weight are added later (`with_rope_freqs`)."""
+    p = "llama.rope."
+    kind = _get(meta, p + "scaling.type", source, str, "linear")
+    if kind not in _ROPE_SCALING_TYPES:
+        raise CheckpointError(
+            f"{source}: {p}scaling.type={kind!r} is not a RoPE scaling type llama.cpp knows "
+            f"({', '.join(_ROPE_SCALING_TYPES)})"
+        )
+    if kind in ("yarn", "longrope"):
+        raise CheckpointError(
+            f"{source}: {p}scaling.type={kind!r} is not supported (supported: none, linear, "
+            "and Llama 3's rope_freqs tensor)"
+        )
+    for key, kind_of in (("scaling.original_context_length", int), ("scaling.finetuned", bool),
+                         ("scaling.yarn_log_multiplier", float), ("scaling.yarn_ext_factor", float),
+                         ("scaling.yarn_attn_factor", float), ("scaling.yarn_beta_fast", float),
+                         ("scaling.yarn_beta_slow", float)):
+        _get(meta, p + key, source, kind_of, None)
+    attn_factor = _get(meta, p + "scaling.attn_factor", source, float, 1.0)
+    if attn_factor != 1.0:
+        raise CheckpointError(
+            f"{source}: {p}scaling.attn_factor={attn_factor} is not supported (jllama does not "
+            "scale RoPE's cos and sin; only 1.0 is)"
+        )
+    key = p + "scaling.factor" if p + "scaling.factor" in meta else p + "scale_linear"
+    factor = _get(meta, key, source, float, 0.0)
+    if not np.isfinite(factor) or factor < 0:
+        raise CheckpointError(f"{source}: {key}={factor} must be finite and not negative")
+    if kind == "none" or factor in (0.0, 1.0):  # llama.cpp: factor 0 means freq_scale 1
+        return None
+    return RopeScaling("linear", factor)
+
+
+def with_rope_freqs(config: ModelConfig, tensor, source: str) -> ModelConfig:
+    """`config` with the per-frequency RoPE factors of a GGUF's rope_freqs.weight tensor.
+
+    Args:
+      config: the model's config from `config_from_metadata` (its linear factor, if any, is
+        kept and applied on top of the factors, as llama.cpp does).
+      tensor: the `gguf.ReaderTensor` named rope_freqs.weight: F32[head_dim / 2].
+      source: the file, for error messages.
+
+    Raises:
+      CheckpointError: not F32, not head_dim / 2 values, or a factor that is not finite and
+        positive; one line naming the tensor.
+    """
+    what = f"{source}: tensor {ROPE_FREQS!r}"
+    type_id = int(tensor.tensor_type)
+    if type_id != ggml_types.F32:
+        raise CheckpointError(
+            f"{what} is {ggml_types.type_name(type_id)}; llama.cpp's RoPE factors must be F32"
+        )
+    shape = [int(n) for n in reversed(tensor.shape.tolist())]
+    want = config.head_dim // 2
+    if shape != [want]:
+        raise CheckpointError(
+            f"{what} has shape {shape}, expected [{want}] (one factor per rotated pair of "
+            f"head_dim={config.head_dim})"
+        )
+    factors = np.asarray(tensor.data, np.float32).reshape(-1)
+    bad = np.flatnonzero(~(np.isfinite(factors) & (factors > 0)))
+    if bad.size:
+        raise CheckpointError(
+            f"{what}: factor [{int(bad[0])}] is {float(factors[bad[0]])}; RoPE factors must be "
+            "finite and positive"
+        )
+    linear = config.rope_scaling.factor if config.rope_scaling is not None else 1.0
+    scaling = RopeScaling("freq_factors", linear, freq_factors=tuple(factors.tolist()))
+    return dataclasses.replace(config, rope_scaling=scaling)

@@ -1,0 +1,193 @@
+"""A Hugging Face Llama `config.json` as a `ModelConfig`.
+
+config.json keys read (transformers' `LlamaConfig`; defaults are LlamaConfig's):
+  architectures (must hold LlamaForCausalLM) / model_type (must be "llama"),
+  hidden_size -> dim, intermediate_size -> hidden_dim, num_hidden_layers -> n_layers,
+  num_attention_heads -> n_heads, num_key_value_heads -> n_kv_heads (default n_heads),
+  vocab_size, head_dim (default dim // n_heads), rms_norm_eps -> norm_eps (default 1e-6),
+  tie_word_embeddings -> shared_weights (default False),
+  max_position_embeddings -> context length, and seq_len capped by the caller (default 2048),
+  hidden_act (must be "silu"), attention_bias / mlp_bias (must be false),
+  RoPE: `rope_scaling` (transformers 4) or else `rope_parameters` (transformers 5, which moved
+  rope_theta into it). The type is `rope_type` (or the older `type`): "default"/absent is plain
+  RoPE; "linear" needs `factor`; "llama3" needs `factor`, `low_freq_factor`,
+  `high_freq_factor` and takes `original_max_position_embeddings` (default
+  max_position_embeddings, as transformers' `standardize_rope_params`). rope_theta comes from
+  the RoPE dict when it has one, else the top level, else 10000. Any other type ("yarn",
+  "dynamic", "longrope", ...) and partial rotary embeddings are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jllama.config import ModelConfig, RopeScaling
+from jllama.errors import CheckpointError, ConfigError
+
+CONFIG_FILE = "config.json"
+
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+LLAMA_MODEL_TYPE = "llama"
+
+DEFAULT_MAX_POSITIONS = 2048
+"""LlamaConfig's default max_position_embeddings."""
+
+
+def context_length(config_json: Mapping[str, Any], source: str) -> int:
+    """The context the model was trained for, tokens: `max_position_embeddings` (LlamaConfig's
+    default 2048 when absent).
+
+    Raises:
+      CheckpointError: a value that is not an int.
+    """
+    return _get(config_json, "max_position_embeddings", source, int, DEFAULT_MAX_POSITIONS)
+
+
+def _get(
+    cfg: Mapping[str, Any], key: str, source: str, kind: type, default: Any = ...,
+    where: str = "config.json",
+):
+    """cfg[key] checked to be of `kind`; `default` when absent or null (required if none).
+    `where` names the object in messages."""
+    value = cfg.get(key)
+    if value is None:
+        if default is ...:
+            raise CheckpointError(f"{source}: {where} has no {key!r}")
+        return default
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        article = "an" if kind is int else "a"
+        raise CheckpointError(
+            f"{source}: {where} {key!r} is {value!r}, not {article} {kind.__name__}"
+        )
+    return kind(value)
+
+
+def _check_llama(cfg: Mapping[str, Any], source: str) -> None:
+    archs = cfg.get("architectures")
+    model_type = cfg.get("model_type")
+    if archs is None and model_type is None:
+        raise CheckpointError(
+            f"{source}: config.json names no architecture or model_type (jllama reads "
+            f"{LLAMA_ARCHITECTURE} checkpoints)"
+        )
+    if archs is not None and (not isinstance(archs, list) or LLAMA_ARCHITECTURE not in archs):
+        shown = ", ".join(map(str, archs)) if isinstance(archs, list) else repr(archs)
+        raise CheckpointError(
+            f"{source}: architecture {shown} is not supported (jllama reads "
+            f"{LLAMA_ARCHITECTURE} checkpoints)"
+        )
+    if model_type is not None and model_type != LLAMA_MODEL_TYPE:
+        raise CheckpointError(
+            f"{source}: model_type {model_type!r} is not supported (jllama reads "
+            f"{LLAMA_MODEL_TYPE!r} checkpoints)"
+        )
+
+
+def _rope_settings(
+    cfg: Mapping[str, Any], source: str, max_positions: int
+) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from config.json (rules in the module docstring)."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: config.json rope_scaling is {rope!r}, not an object")
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise CheckpointError(
+            f"{source}: per-layer-type rope_parameters are not supported (not a Llama layout)"
+        )
+    where = "config.json " + ("rope_scaling" if cfg.get("rope_scaling") else "rope_parameters")
+    theta = _get(rope, "rope_theta", source, float, None, where)
+    if theta is None:
+        theta = _get(cfg, "rope_theta", source, float, 10000.0)
+    partial = _get(rope, "partial_rotary_factor", source, float, None, where)
+    if partial is None:
+        partial = _get(cfg, "partial_rotary_factor", source, float, 1.0)
+    if partial != 1.0:
+        raise CheckpointError(
+            f"{source}: partial_rotary_factor={partial} is not supported (RoPE on whole heads only)"
+        )
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", None):
+        return theta, None
+    if rope_type not in ("linear", "llama3"):
+        raise CheckpointError(
+            f"{source}: rope_scaling type {rope_type!r} is not supported "
+            "(supported: default, linear, llama3)"
+        )
+    try:
+        if rope_type == "linear":
+            factor = _get(rope, "factor", source, float, where=where)
+            return theta, RopeScaling("linear", factor=factor)
+        scaling = RopeScaling(
+            "llama3",
+            factor=_get(rope, "factor", source, float, where=where),
+            low_freq_factor=_get(rope, "low_freq_factor", source, float, where=where),
+            high_freq_factor=_get(rope, "high_freq_factor", source, float, where=where),
+            original_max_position_embeddings=_get(
+                rope, "original_max_position_embeddings", source, int, max_positions, where
+            ),
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return theta, scaling
+
+
+def config_from_hf(
+    config_json: Mapping[str, Any], source: str, seq_len: int | None = None
+) -> ModelConfig:
+    """`ModelConfig` of a Hugging Face Llama `config.json` (keys in the module docstring).
+
+    Args:
+      config_json: the parsed config.json (transformers 4 or 5 layout).
+      source: the folder or file, for error messages.
+      seq_len: cap on the context (tokens); None = the model's `max_position_embeddings`.
+
+    Returns:
+      the config; `shared_weights` is `tie_word_embeddings` (`read_hf` also sets it when the
+      folder has no lm_head.weight).
+
+    Raises:
+      CheckpointError: not a Llama model, a required key missing or of the wrong type, or a
+        feature jllama does not implement (attention/MLP biases, an activation other than
+        SiLU, a RoPE type other than default/linear/llama3, partial rotary embeddings).
+      ConfigError: values that do not make a valid model, or seq_len < 1.
+    """
+    cfg = config_json
+    if not isinstance(cfg, Mapping):
+        raise CheckpointError(f"{source}: config.json is not a JSON object")
+    _check_llama(cfg, source)
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{source}: {key}=true is not supported (Llama has no biases)")
+    act = _get(cfg, "hidden_act", source, str, "silu")
+    if act != "silu":
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    if seq_len is not None and seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len} must be at least 1")
+    n_heads = _get(cfg, "num_attention_heads", source, int)
+    max_positions = context_length(cfg, source)
+    rope_theta, rope_scaling = _rope_settings(cfg, source, max_positions)
+    try:
+        return ModelConfig(
+            dim=_get(cfg, "hidden_size", source, int),
+            hidden_dim=_get(cfg, "intermediate_size", source, int),
+            n_layers=_get(cfg, "num_hidden_layers", source, int),
+            n_heads=n_heads,
+            n_kv_heads=_get(cfg, "num_key_value_heads", source, int, n_heads),
+            vocab_size=_get(cfg, "vocab_size", source, int),
+            seq_len=min(max_positions, seq_len) if seq_len else max_positions,
+            shared_weights=_get(cfg, "tie_word_embeddings", source, bool, False),
+            norm_eps=_get(cfg, "rms_norm_eps", source, float, 1e-6),
+            rope_theta=rope_theta,
+            head_dim=_get(cfg, "head_dim", source, int, 0),
+            rope_scaling=rope_scaling,
+        )
+    except ConfigError as e:
+        hint = " (cap the context with --seq_len)" if "seq_len" in str(e) and not seq_len else ""
+        raise ConfigError(f"{source}: {e}{hint}") from None
