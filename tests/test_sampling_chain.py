@@ -162,7 +162,8 @@ def test_top_k_zero_or_less_is_off_as_llama_cpp_reads_it():
 def test_check_setting_gives_the_reason_apart_from_the_name():
     with pytest.raises(SamplerSettingError) as error:
         check_setting("top_p", 1.5)
-    assert (error.value.name, error.value.reason) == ("top_p", "must be a number in [0, 1], got 1.5")
+    assert (error.value.name, error.value.reason) == (
+        "top_p", "must be a number in [0, 1], got 1.5")
     assert str(error.value) == "top_p: must be a number in [0, 1], got 1.5"
     assert isinstance(error.value, SamplerError)
     with pytest.raises(SamplerSettingError, match="^temperature: must be a finite number >= 0"):

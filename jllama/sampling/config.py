@@ -114,7 +114,8 @@ def _logit_bias(logit_bias: object) -> tuple[tuple[int, float], ...]:
                 "logit_bias", f"must map token ids to numbers, got {pair!r}") from None
         token = _integer("logit_bias", "token ids must be integers >= 0", 0, token)
         if isinstance(bias, bool) or not isinstance(bias, _NUMBER_TYPES):
-            raise SamplerSettingError("logit_bias", f"token {token}: must be a number, got {bias!r}")
+            raise SamplerSettingError(
+                "logit_bias", f"token {token}: must be a number, got {bias!r}")
         if math.isnan(bias) or bias == math.inf:
             raise SamplerSettingError(
                 "logit_bias", f"token {token}: must be finite or -inf, got {bias!r}")
@@ -123,9 +124,11 @@ def _logit_bias(logit_bias: object) -> tuple[tuple[int, float], ...]:
 
 
 def _order(order: object) -> tuple[str, ...]:
-    if isinstance(order, str) or not isinstance(order, Sequence) or sorted(order) != sorted(FILTERS):
-        raise SamplerSettingError("order", f"must list each of {', '.join(FILTERS)} once, got {order!r}")
-    return tuple(order)
+    names = [] if isinstance(order, str) or not isinstance(order, Sequence) else list(order)
+    if not all(isinstance(name, str) for name in names) or sorted(names) != sorted(FILTERS):
+        raise SamplerSettingError(
+            "order", f"must list each of {', '.join(FILTERS)} once, got {order!r}")
+    return tuple(names)
 
 
 _CHECKS: dict[str, Callable[[object], object]] = {  # in field order: the first bad one is named

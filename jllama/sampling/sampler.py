@@ -11,16 +11,8 @@ from typing import Protocol
 import numpy as np
 
 from jllama.errors import SamplerError
-from jllama.sampling.chain import (
-    Candidates,
-    apply_logit_bias,
-    apply_penalties,
-    min_p_filter,
-    sample_candidates,
-    temperature_scale,
-    top_k_filter,
-    top_p_filter,
-)
+from jllama.sampling import chain
+from jllama.sampling.chain import Candidates
 from jllama.sampling.config import SamplerConfig
 from jllama.sampling.rng import XorShiftRng, seed_from_clock
 from jllama.sampling.runc import argmax, as_vector
@@ -46,7 +38,7 @@ class HistorySampler(Protocol):
 
 
 def _biased(logits: np.ndarray, history: Sequence[int], *, bias: dict[int, float]) -> np.ndarray:
-    return apply_logit_bias(logits, bias)
+    return chain.apply_logit_bias(logits, bias)
 
 
 def _penalized(logits: np.ndarray, history: Sequence[int], *, c: SamplerConfig) -> np.ndarray:
@@ -54,7 +46,7 @@ def _penalized(logits: np.ndarray, history: Sequence[int], *, c: SamplerConfig) 
         return logits
     n = c.penalty_last_n
     recent = history if n < 0 else history[max(len(history) - n, 0):]
-    return apply_penalties(logits, recent, c.repeat_penalty, c.frequency_penalty,
+    return chain.apply_penalties(logits, recent, c.repeat_penalty, c.frequency_penalty,
                            c.presence_penalty)
 
 
@@ -68,14 +60,22 @@ def _logit_steps(c: SamplerConfig) -> list[LogitStep]:
     return steps
 
 
-# Each candidate step for a config, or None where it is off (each filter is also a no-op then).
-_CANDIDATE_STEPS: dict[str, Callable[[SamplerConfig], CandidateStep | None]] = {
-    "top_k": lambda c: functools.partial(top_k_filter, k=c.top_k) if c.top_k > 0 else None,
-    "temperature": lambda c: functools.partial(temperature_scale, temperature=c.temperature),
-    "top_p": lambda c: (functools.partial(top_p_filter, top_p=c.top_p)
-                        if 0 < np.float32(c.top_p) < 1 else None),
-    "min_p": lambda c: functools.partial(min_p_filter, min_p=c.min_p) if c.min_p > 0 else None,
-}
+def _candidate_steps(c: SamplerConfig) -> list[CandidateStep]:
+    """The candidate steps in `c.order`, those switched off left out (each filter would leave
+    the candidates unchanged)."""
+    steps = {
+        "top_k": functools.partial(chain.top_k_filter, k=c.top_k),
+        "temperature": functools.partial(chain.temperature_scale, temperature=c.temperature),
+        "top_p": functools.partial(chain.top_p_filter, top_p=c.top_p),
+        "min_p": functools.partial(chain.min_p_filter, min_p=c.min_p),
+    }
+    on = {
+        "top_k": c.top_k > 0,
+        "temperature": True,
+        "top_p": 0 < np.float32(c.top_p) < 1,  # top_p_filter's test, in float32 as run.c
+        "min_p": c.min_p > 0,
+    }
+    return [steps[name] for name in c.order if on[name]]
 
 
 class Sampler:
@@ -128,8 +128,7 @@ class Sampler:
         self.logit_steps = tuple(_logit_steps(config))
         self.candidate_steps: tuple[CandidateStep, ...] | None = None
         if np.float32(config.temperature) != 0:
-            built = (_CANDIDATE_STEPS[name](config) for name in config.order)
-            self.candidate_steps = tuple(step for step in built if step is not None)
+            self.candidate_steps = tuple(_candidate_steps(config))
 
     @classmethod
     def from_config(cls, config: SamplerConfig) -> Sampler:
@@ -159,7 +158,7 @@ class Sampler:
         candidates = Candidates.of(logits)
         for step in self.candidate_steps:
             candidates = step(candidates)
-        return sample_candidates(candidates, self.rng.random_f32())
+        return chain.sample_candidates(candidates, self.rng.random_f32())
 
     __call__ = sample
 

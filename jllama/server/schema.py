@@ -5,23 +5,76 @@ unknown fields are ignored, as OpenAI-compatible servers do. `parse_body` turns 
 a request object or raises `APIError` (400) naming the first bad field, e.g.
 `temperature: Input should be a valid number (got 'hot')`.
 
-Ranges are OpenAI's where OpenAI documents one (temperature [0, 2], top_p [0, 1],
-presence/frequency penalties [-2, 2], logit_bias [-100, 100], top_logprobs [0, 20], at most 4
-stop strings); the extra samplers (top_k, min_p, repeat_penalty, penalty_last_n, samplers) are
-llama.cpp server's names and ranges.
+Sampler settings are checked by `jllama.sampling.check_setting`, `SamplerConfig`'s own checks,
+so a value the CLI refuses is refused here with the same reason (`top_p: must be a number in
+[0, 1], got 1.5`); `top_k` <= 0 means off, as in llama.cpp. On top of those, OpenAI's documented
+limits narrow three ranges (temperature at most 2, presence/frequency penalties in [-2, 2],
+logit_bias in [-100, 100]); top_logprobs [0, 20] and at most 4 stop strings are OpenAI's too. The
+extra samplers (top_k, min_p, repeat_penalty, penalty_last_n, samplers) are llama.cpp server's
+names.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
-from jllama.sampling import FILTERS, SamplerConfig
+from jllama.sampling import SamplerConfig, SamplerSettingError, check_setting
 from jllama.server.errors import APIError
 
 _U64 = 2**64
+
+_OPENAI_RANGES = {"temperature": (0.0, 2.0), "presence_penalty": (-2.0, 2.0),
+                  "frequency_penalty": (-2.0, 2.0), "logit_bias": (-100.0, 100.0)}
+"""OpenAI's documented limits, narrower than `SamplerConfig`'s: (low, high), inclusive (for
+logit_bias, each bias)."""
+
+_CONFIG_FIELD = {"samplers": "order"}
+"""Request fields named otherwise in `SamplerConfig` (llama.cpp server's `samplers`)."""
+
+
+def _sampler_setting(name: str, value: Any) -> Any:
+    """`value` checked by `SamplerConfig`'s check for the field `name` (the CLI's check, so the
+    CLI's reason), returned as `check_setting` normalizes it (a top_k <= 0 as 0).
+
+    Raises:
+      ValueError: the reason, e.g. "must be a number in [0, 1], got 1.5".
+    """
+    try:
+        return check_setting(_CONFIG_FIELD.get(name, name), value)
+    except SamplerSettingError as e:
+        raise ValueError(e.reason) from None
+
+
+def _openai_range(name: str, value: float, what: str = "") -> None:
+    """Raises ValueError where `value` is outside OpenAI's range for `name` (if it has one)."""
+    if name not in _OPENAI_RANGES:
+        return
+    low, high = _OPENAI_RANGES[name]
+    if not low <= value <= high:
+        raise ValueError(f"{what}must be in [{low:g}, {high:g}] (OpenAI's range), got {value!r}")
+
+
+def _refuse(supported: Callable[[Any], bool], message: str) -> AfterValidator:
+    """A validator that refuses a given value (not None) that jllama does not support."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not supported(value):
+            raise ValueError(message)
+        return value
+
+    return AfterValidator(check)
 
 
 class _Strict(BaseModel):
@@ -37,22 +90,32 @@ class _Sampling(_Strict):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repeat_penalty: float | None = Field(None, gt=0, le=1e6)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    penalty_last_n: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=-(2**63), lt=_U64)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    penalty_last_n: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=_U64)  # OpenAI's int64, or an xorshift state
     stop: Any = Field(None, validate_default=True)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: Annotated[int | None, _refuse(lambda n: n == 1, "only n=1 is supported")] = None
     samplers: list[str] | None = None
     user: str | None = None
+
+    @field_validator("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+                     "presence_penalty", "frequency_penalty", "penalty_last_n", "samplers")
+    @classmethod
+    def _setting(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        checked = _sampler_setting(info.field_name, value)
+        _openai_range(info.field_name, value)
+        return checked
 
     @field_validator("stop")
     @classmethod
@@ -75,22 +138,10 @@ class _Sampling(_Strict):
         for key, bias in (value or {}).items():
             if not key.isascii() or not key.isdigit():
                 raise ValueError(f"keys must be token ids (digits), got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias!r}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported, got {value}")
-        return value
-
-    @field_validator("samplers")
-    @classmethod
-    def _samplers(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and sorted(value) != sorted(FILTERS):
-            raise ValueError(f"must list each of {', '.join(FILTERS)} once, got {value!r}")
+        if value:
+            _sampler_setting("logit_bias", {int(key): bias for key, bias in value.items()})
+            for key, bias in value.items():
+                _openai_range("logit_bias", bias, f"token {key}: ")
         return value
 
     def sampler_config(self, vocab_size: int) -> SamplerConfig:
@@ -142,9 +193,11 @@ class CompletionRequest(_Sampling):
 
     prompt: Any
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    echo: Annotated[bool, _refuse(lambda echo: not echo, "echo=true is not supported")] = False
+    suffix: Annotated[
+        str | None, _refuse(lambda suffix: not suffix, "suffix (insertion) is not supported")
+    ] = None
+    best_of: Annotated[int | None, _refuse(lambda n: n == 1, "only best_of=1 is supported")] = None
 
     @field_validator("prompt")
     @classmethod
@@ -161,27 +214,6 @@ class CompletionRequest(_Sampling):
         if isinstance(value, list) and len(value) > 1 and all(isinstance(s, str) for s in value):
             raise ValueError("one prompt per request: a list of several prompts is not supported")
         raise ValueError("must be a string or a non-empty list of token ids")
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo=true is not supported")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix (insertion) is not supported")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only best_of=1 is supported, got {value}")
-        return value
 
 
 class ChatMessage(_Strict):
@@ -223,23 +255,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: Any = None
+    tools: Annotated[Any, _refuse(lambda tools: not tools,
+                                  "tools (function calling) are not supported")] = None
     tool_choice: Any = None
-    response_format: Any = None
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("tools (function calling) are not supported")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _format(cls, value: Any) -> Any:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError('only {"type": "text"} is supported')
-        return value
+    response_format: Annotated[Any, _refuse(lambda f: f == {"type": "text"},
+                                            'only {"type": "text"} is supported')] = None
 
     def message_dicts(self) -> list[dict[str, str]]:
         """The messages as the chat template reads them: {"role", "content"} dicts."""

@@ -1,0 +1,96 @@
+"""The request schema's sampler fields: the server refuses what `SamplerConfig` (and so the CLI)
+refuses, with the same reason, as a 400 naming the field; OpenAI's narrower limits on top.
+Expected messages are written out here by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jllama.sampling import SamplerConfig, SamplerError
+from jllama.server.errors import APIError
+from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
+
+BASE = {"model": "m", "prompt": "a"}
+
+
+def parse(**fields) -> CompletionRequest:
+    return parse_body(json.dumps({**BASE, **fields}).encode(), CompletionRequest)
+
+
+def refusal(kind=CompletionRequest, **fields) -> APIError:
+    body = {**BASE, **fields} if kind is CompletionRequest else {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(APIError) as error:
+        parse_body(json.dumps(body).encode(), kind)
+    assert error.value.status == 400
+    return error.value
+
+
+@pytest.mark.parametrize("field, value, config_field, message", [
+    ("top_p", 1.5, "top_p", "top_p: must be a number in [0, 1], got 1.5"),
+    ("temperature", -1.0, "temperature", "temperature: must be a finite number >= 0, got -1.0"),
+    ("min_p", 2.0, "min_p", "min_p: must be a number in [0, 1], got 2.0"),
+    ("repeat_penalty", 0.0, "repeat_penalty",
+     "repeat_penalty: must be a number in (0, 1e6], got 0.0"),
+    ("penalty_last_n", -2, "penalty_last_n",
+     "penalty_last_n: must be an integer >= -1 (-1: all), got -2"),
+    ("samplers", ["top_k", "top_p"], "order",
+     "samplers: must list each of top_k, temperature, top_p, min_p once, got ['top_k', 'top_p']"),
+])
+def test_the_server_refuses_what_the_config_refuses_with_the_same_reason(
+        field, value, config_field, message):
+    error = refusal(**{field: value})
+    assert (error.param, error.message) == (field, message)
+    with pytest.raises(SamplerError) as config_error:
+        SamplerConfig(**{config_field: value})
+    # The same text after the field's name (the request and the config name `order` apart).
+    assert str(config_error.value).split(": ", 1)[1] == message.split(": ", 1)[1]
+
+
+def test_openai_limits_narrow_the_ranges():
+    assert refusal(temperature=7.0).message == (
+        "temperature: must be in [0, 2] (OpenAI's range), got 7.0")
+    assert refusal(presence_penalty=2.5).message == (
+        "presence_penalty: must be in [-2, 2] (OpenAI's range), got 2.5")
+    error = refusal(logit_bias={"5": 200})
+    assert (error.param, error.message) == (
+        "logit_bias", "logit_bias: token 5: must be in [-100, 100] (OpenAI's range), got 200.0")
+    assert SamplerConfig(temperature=7).temperature == 7  # the CLI's range is wider
+
+
+def test_types_stay_strict():
+    assert refusal(top_k=1.5).message == "top_k: Input should be a valid integer (got 1.5)"
+    assert refusal(temperature="hot").param == "temperature"
+    assert refusal(top_p=True).param == "top_p"
+
+
+def test_good_settings_reach_the_config():
+    config = parse(temperature=0.7, top_p=0.95, top_k=40, min_p=0.05, repeat_penalty=1.1,
+                   presence_penalty=-0.5, frequency_penalty=0.5, penalty_last_n=-1, seed=7,
+                   logit_bias={"3": -100, "4": 2.5},
+                   samplers=["top_k", "top_p", "min_p", "temperature"]).sampler_config(10)
+    assert config == SamplerConfig(
+        temperature=0.7, top_p=0.95, top_k=40, min_p=0.05, repeat_penalty=1.1,
+        presence_penalty=-0.5, frequency_penalty=0.5, penalty_last_n=-1, seed=7,
+        logit_bias=((3, -100.0), (4, 2.5)), order=("top_k", "top_p", "min_p", "temperature"))
+
+
+def test_top_k_zero_or_less_is_off_as_in_llama_cpp():
+    assert parse(top_k=-1).sampler_config(vocab_size=10).top_k == 0
+    assert parse(top_k=7).sampler_config(vocab_size=10).top_k == 7
+
+
+def test_unsupported_options_name_the_field():
+    assert refusal(n=2).message == "n: only n=1 is supported (got 2)"
+    assert refusal(best_of=3).param == "best_of"
+    assert refusal(echo=True).message == "echo: echo=true is not supported (got True)"
+    assert refusal(suffix="x").param == "suffix"
+    assert refusal(ChatCompletionRequest, tools=[{"type": "function"}]).param == "tools"
+    assert refusal(ChatCompletionRequest, response_format={"type": "json_object"}).param == (
+        "response_format")
+    parse(n=1, best_of=1, echo=False, suffix="")
+    parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                           "tools": [], "response_format": {"type": "text"}}).encode(),
+               ChatCompletionRequest)
