@@ -115,8 +115,11 @@ def open_model(
     Args:
       checkpoint: a path, a known model's name (`smollm2`), or None for the embedded
         stories260K.
-      tokenizer: a llama2.c tokenizer file (llama2.c checkpoints only); None picks one with
-        `find_tokenizer`. GGUF files and Hugging Face folders carry their own.
+      tokenizer: the tokenizer file of a llama2.c checkpoint, or of a Hugging Face folder that
+        carries none (no tokenizer.json, no tiktoken tokenizer.model): a llama2.c
+        tokenizer.bin, a tokenizer.json (read with its folder's configs) or Meta's tiktoken
+        tokenizer.model, as `load_tokenizer` reads them. None: `find_tokenizer` picks one for
+        a llama2.c checkpoint. GGUF files and folders with a tokenizer carry their own.
       seq_len: cap on the context (tokens) the KV cache is sized for; None = the model's.
       need_tokenizer: False leaves the tokenizer unread (tokenizer None), e.g. to inspect or
         convert the weights alone.
@@ -129,8 +132,9 @@ def open_model(
     Raises:
       CheckpointError: a missing or malformed checkpoint (see `read_checkpoint`, `read_gguf`,
         `read_hf`).
-      TokenizerError: a missing, malformed or mismatched tokenizer, or `tokenizer` given for a
-        GGUF file or a Hugging Face folder.
+      TokenizerError: a missing, malformed or mismatched tokenizer, `tokenizer` given for a
+        GGUF file or a Hugging Face folder that carries its own, or none given for a folder
+        that carries none (the one-line message says to pass --tokenizer).
       FetchError: a known model's name that has not been fetched.
       ConfigError: seq_len < 1, or an unknown dtype.
     """
@@ -156,6 +160,16 @@ def _refuse_tokenizer(tokenizer, path, kind: str) -> None:
         )
 
 
+def _folder_tokenizer(folder: Path) -> str | None:
+    """The tokenizer file a Hugging Face folder carries: "tokenizer.json", else Meta's tiktoken
+    "tokenizer.model", else None."""
+    if (folder / "tokenizer.json").exists():
+        return "tokenizer.json"
+    if is_tiktoken_file(folder / "tokenizer.model"):
+        return "tokenizer.model"
+    return None
+
+
 def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> Model:
     if path.is_file() and (
         path.suffix == ".safetensors"
@@ -167,24 +181,34 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
     if path.is_dir():
         from jllama.formats.hf import read_hf
 
-        _refuse_tokenizer(tokenizer, path, "Hugging Face folder")
+        own = _folder_tokenizer(path)
+        if own is not None:
+            _refuse_tokenizer(tokenizer, path, "Hugging Face folder")
         # int8 and q4 are quantized from the stored floats afterwards (`cast_weights`).
         h = read_hf(path, seq_len=seq_len, dtype=None if dtype in ("int8", "q4") else dtype)
         hf_tokenizer = None
         template = h.chat_template
-        if need_tokenizer:
+        if need_tokenizer and own == "tokenizer.model":
+            # Meta's tiktoken tokenizer.model beside the weights, and no tokenizer.json.
+            from jllama.chat import LLAMA3_CHAT_TEMPLATE
+            from jllama.tokenizers.tiktoken_model import read_tiktoken_model
+
+            hf_tokenizer = read_tiktoken_model(path / own)
+            template = template or LLAMA3_CHAT_TEMPLATE
+            _check_fits(hf_tokenizer, path, h.config.vocab_size)
+        elif need_tokenizer and own == "tokenizer.json":
             from jllama.tokenizers.hf import read_hf_tokenizer
 
-            if not (path / "tokenizer.json").exists() and is_tiktoken_file(path / "tokenizer.model"):
-                # Meta's tiktoken tokenizer.model beside the weights, and no tokenizer.json.
-                from jllama.chat import LLAMA3_CHAT_TEMPLATE
-                from jllama.tokenizers.tiktoken_model import read_tiktoken_model
-
-                hf_tokenizer = read_tiktoken_model(path / "tokenizer.model")
-                template = template or LLAMA3_CHAT_TEMPLATE
-            else:
-                hf_tokenizer = read_hf_tokenizer(path)
+            hf_tokenizer = read_hf_tokenizer(path)
             _check_fits(hf_tokenizer, path, h.config.vocab_size)
+        elif need_tokenizer and tokenizer is not None:
+            hf_tokenizer = load_tokenizer(path, h.config.vocab_size, tokenizer)
+        elif need_tokenizer:
+            raise TokenizerError(
+                f"the Hugging Face folder {path} has no tokenizer.json (nor Meta's tiktoken "
+                "tokenizer.model): pass --tokenizer (a tokenizer.json, a llama2.c tokenizer.bin "
+                "or a tiktoken tokenizer.model)"
+            )
         return Model(
             config=h.config, weights=h.weights, tokenizer=hf_tokenizer,
             chat_template=template,

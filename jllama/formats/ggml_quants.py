@@ -66,7 +66,7 @@ from __future__ import annotations
 import numpy as np
 
 from jllama.errors import CheckpointError
-from jllama.formats.ggml_types import (  # noqa: F401 (this module's public names before the split)
+from jllama.formats.ggml_types import (  # noqa: F401 (re-exported: names of this module)
     BF16,
     BLOCK_SIZES,
     F16,

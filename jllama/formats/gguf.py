@@ -37,7 +37,7 @@ from jllama.errors import CheckpointError, TokenizerError
 from jllama.files import require_regular_file
 from jllama.formats import ggml_quants
 from jllama.formats.base import ModelFile
-from jllama.formats.gguf_config import (  # noqa: F401 (public names of this module before the split)
+from jllama.formats.gguf_config import (  # noqa: F401 (re-exported: names of this module)
     ROPE_FREQS,
     config_from_metadata,
     with_rope_freqs,

@@ -43,14 +43,14 @@ import numpy as np
 
 from jllama.errors import CheckpointError, ConfigError
 from jllama.formats.base import ModelFile
-from jllama.formats.hf_config import (  # noqa: F401 (public names of this module before the split)
+from jllama.formats.hf_config import (  # noqa: F401 (re-exported: names of this module)
     CONFIG_FILE,
     LLAMA_ARCHITECTURE,
     LLAMA_MODEL_TYPE,
     config_from_hf,
     context_length,
 )
-from jllama.formats.safetensors_file import (  # noqa: F401 (as above)
+from jllama.formats.safetensors_file import (  # noqa: F401 (re-exported)
     SAFETENSORS_DTYPES,
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,

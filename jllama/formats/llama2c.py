@@ -23,7 +23,7 @@ import numpy as np
 from jllama.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
 from jllama.files import require_regular_file
-from jllama.formats.llama2c_layout import (  # noqa: F401 (public names of this module before the split)
+from jllama.formats.llama2c_layout import (  # noqa: F401 (re-exported: names of this module)
     DEFAULT_GROUP_SIZE,
     FLOAT,
     HEADER,
@@ -42,7 +42,7 @@ from jllama.formats.llama2c_layout import (  # noqa: F401 (public names of this 
     q80_sizes,
     quantize_q80,
 )
-from jllama.formats.llama2c_writer import (  # noqa: F401 (as above)
+from jllama.formats.llama2c_writer import (  # noqa: F401 (re-exported)
     WrittenCheckpoint,
     rope_tables,
     write_checkpoint,
