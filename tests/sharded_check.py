@@ -171,18 +171,18 @@ def collectives(backend, config):
 def loop_collectives(backend, prompt):
     """The collectives in the compiled HLO of the loop program (`decode_loop`), lowered with
     the arguments the backend passes it."""
-    programs = backend._programs
+    programs = backend._programs  # a frozen `jllama.graphs.Programs`: swapped, not patched
     real, seen = programs.decode_loop, []
 
     def spy(*args, **kwargs):
         seen.append(COLLECTIVE.findall(real.lower(*args, **kwargs).compile().as_text()))
         return real(*args, **kwargs)
 
-    programs.decode_loop = spy
+    backend._programs = dataclasses.replace(programs, decode_loop=spy)
     try:
         backend.decode_loop(prompt[0], 0, 1)
     finally:
-        programs.decode_loop = real
+        backend._programs = programs
     return seen[0]
 
 

@@ -18,6 +18,9 @@ or `classifier_rows` (every token's logits, for a perplexity).
 The other decode modes reuse those bodies: `fused.py` (`decode_step` + `write_caches`: one
 program for all layers per token) and `loop.py` (`decode_loop`: a chunk of tokens in one
 on-device loop, sampled on the device by `sample_on_device`).
+
+`ONE_DEVICE` holds all of them as one typed `Programs` object, the one a backend calls on one
+device (`sharded.sharded_programs` builds the tensor-parallel one).
 """
 
 from jllama.graphs.attention import (
@@ -38,6 +41,7 @@ from jllama.graphs.prefill import (
     classifier_rows,
     qkv_chunk,
 )
+from jllama.graphs.programs import ONE_DEVICE, Programs
 from jllama.graphs.qkv import qkv
 
 PROGRAMS = ("qkv", "attention", "block", "classifier")
@@ -45,8 +49,10 @@ PROGRAMS = ("qkv", "attention", "block", "classifier")
 PREFILL_PROGRAMS = ("qkv_chunk", "attention_chunk", "block_chunk", "classifier_last")
 
 __all__ = [
+    "ONE_DEVICE",
     "PREFILL_PROGRAMS",
     "PROGRAMS",
+    "Programs",
     "SAMPLING_KINDS",
     "attention",
     "attention_chunk",

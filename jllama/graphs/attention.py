@@ -56,6 +56,23 @@ def attention_window(seq_len: int, pos: int) -> int:
     return attention_blocks(seq_len, pos) * block_length(seq_len)
 
 
+def write_positions(blocks: tuple, rows: tuple, pos: jax.Array) -> tuple:
+    """The cache write of every program that writes one (traced): each of `rows`
+    (f32[n_kv_heads, T, head_dim], the keys or values of positions pos .. pos+T-1) stored into
+    the block of `blocks` beside it (f32[n_kv_heads, block_length, head_dim]) from
+    pos % block_length on; returns the blocks written, in order.
+
+    The caller keeps the T positions in one block: `dynamic_update_slice` would clamp a write
+    that crossed its end. In place where the program donates the blocks and reads nothing
+    else of them (see `jllama.graphs.qkv`)."""
+    zero = jnp.zeros((), jnp.int32)
+    offset = pos % blocks[0].shape[1]
+    return tuple(
+        jax.lax.dynamic_update_slice(block, r, (zero, offset, zero))
+        for block, r in zip(blocks, rows, strict=True)
+    )
+
+
 def block_scores(qg: jax.Array, key_blocks, spec: str) -> jax.Array:
     """Scores of queries against each block's keys, concatenated along the positions (last
     axis). spec: the einsum of one block, e.g. "gmd,gsd->gms"."""

@@ -21,7 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from jllama.config import ModelConfig
-from jllama.graphs.attention import block_scores, block_weighted_sum, causal_softmax
+from jllama.graphs.attention import (
+    block_scores,
+    block_weighted_sum,
+    causal_softmax,
+    write_positions,
+)
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.ops import PRECISION, norm_matmul, rope, split_qkv
@@ -29,18 +34,9 @@ from jllama.graphs.ops import PRECISION, norm_matmul, rope, split_qkv
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("shards", "matvec"))
 def decode_step(
-    config: ModelConfig,
-    x: jax.Array,
-    layers: tuple,
-    key_blocks: tuple,
-    value_blocks: tuple,
-    pos: jax.Array,
-    inv_freq: jax.Array,
-    rms_final_weight: jax.Array,
-    wcls: jax.Array,
-    *,
-    shards: int = 1,
-    matvec: str = "xla",
+    config: ModelConfig, x: jax.Array, layers: tuple, key_blocks: tuple, value_blocks: tuple,
+    pos: jax.Array, inv_freq: jax.Array, rms_final_weight: jax.Array, wcls: jax.Array, *,
+    shards: int = 1, matvec: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token through all layers and the classifier, as llama2.c run.c's `forward`.
 
@@ -102,14 +98,7 @@ def write_caches(
     arrays f32[n_kv_heads, 1, head_dim] (separate arrays: slicing them out of one stacked
     array inside this program made XLA CPU rewrite every cache in full, 34 ms a token for
     SmolLM2)."""
-    zero = jnp.zeros((), jnp.int32)
-    offset = pos % key_blocks[0].shape[1]
-    keys = tuple(
-        jax.lax.dynamic_update_slice(kb, k, (zero, offset, zero))
-        for kb, k in zip(key_blocks, new_k, strict=True)
-    )
-    values = tuple(
-        jax.lax.dynamic_update_slice(vb, v, (zero, offset, zero))
-        for vb, v in zip(value_blocks, new_v, strict=True)
-    )
-    return keys, values
+    n = len(key_blocks)
+    written = write_positions(tuple(key_blocks) + tuple(value_blocks),
+                              tuple(new_k) + tuple(new_v), pos)
+    return written[:n], written[n:]

@@ -12,7 +12,7 @@ decode ones, with a leading token axis:
   block_chunk      wo + residual + FFN RMSNorm + SwiGLU + residual
 
 T is a static shape: the backend cuts a prompt into chunks of a few fixed sizes
-(`jllama.backends.jax_graph.PREFILL_CHUNKS`), so a few compiled shapes serve every prompt
+(`jllama.backends.jax_prefill.PREFILL_CHUNKS`), so a few compiled shapes serve every prompt
 length; tokens left over go through the decode programs.
 """
 
@@ -25,6 +25,8 @@ import jax.numpy as jnp
 
 from jllama import kernels
 from jllama.config import ModelConfig
+from jllama.graphs.attention import write_positions
+from jllama.graphs.classifier import classifier
 from jllama.graphs.ops import PRECISION, split_qkv
 from jllama.ggml_matrix import gate_up, is_ggml
 from jllama.quant import Int8Matrix
@@ -74,17 +76,9 @@ def _rope_rows(heads: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     donate_argnames=("key_block", "value_block"),
 )
 def qkv_chunk(
-    config: ModelConfig,
-    x: jax.Array,
-    rms_att_weight: jax.Array,
-    wqkv: jax.Array,
-    key_block: jax.Array,
-    value_block: jax.Array,
-    pos: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
-    *,
-    shards: int = 1,
+    config: ModelConfig, x: jax.Array, rms_att_weight: jax.Array, wqkv: jax.Array,
+    key_block: jax.Array, value_block: jax.Array, pos: jax.Array, cos: jax.Array,
+    sin: jax.Array, *, shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`jllama.graphs.qkv` for T tokens at positions pos .. pos+T-1.
 
@@ -112,27 +106,17 @@ def qkv_chunk(
     with jax.named_scope("rope"):
         q = _rope_rows(q, cos, sin)
         k = _rope_rows(k, cos, sin)
-    with jax.named_scope("cache_write"):
-        zero = jnp.zeros((), jnp.int32)
-        offset = pos % key_block.shape[1]
-        key_block = jax.lax.dynamic_update_slice(
-            key_block, k.transpose(1, 0, 2), (zero, offset, zero)
-        )
-        value_block = jax.lax.dynamic_update_slice(
-            value_block, v.transpose(1, 0, 2), (zero, offset, zero)
+    with jax.named_scope("cache_write"):  # [T, heads, d] -> head-major [heads, T, d]
+        key_block, value_block = write_positions(
+            (key_block, value_block), (k.transpose(1, 0, 2), v.transpose(1, 0, 2)), pos
         )
     return q, key_block, value_block
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
 def attention_chunk(
-    config: ModelConfig,
-    q: jax.Array,
-    key_blocks: tuple,
-    value_blocks: tuple,
-    pos: jax.Array,
-    *,
-    matvec: str = "xla",
+    config: ModelConfig, q: jax.Array, key_blocks: tuple, value_blocks: tuple, pos: jax.Array,
+    *, matvec: str = "xla",
 ) -> jax.Array:
     """Causal attention of T tokens at positions pos .. pos+T-1 (`jllama.graphs.attention` per
     token): token t's query head h attends over key head h // kv_mul at cache positions
@@ -188,14 +172,8 @@ def attention_chunk(
 
 @functools.partial(jax.jit, static_argnums=0)
 def block_chunk(
-    config: ModelConfig,
-    x: jax.Array,
-    att: jax.Array,
-    wo: jax.Array,
-    rms_ffn_weight: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    config: ModelConfig, x: jax.Array, att: jax.Array, wo: jax.Array, rms_ffn_weight: jax.Array,
+    w1: jax.Array, w2: jax.Array, w3: jax.Array,
 ) -> jax.Array:
     """`jllama.graphs.block` for T tokens: x: f32[T, dim], att: f32[T, q_dim] -> f32[T, dim]."""
     with jax.named_scope("wo_chunk"):
@@ -217,8 +195,6 @@ def classifier_last(
 ) -> jax.Array:
     """`jllama.graphs.classifier` of the chunk's last token only: x: f32[T, dim] ->
     logits f32[vocab_size] (the prompt's other tokens need no logits)."""
-    from jllama.graphs.classifier import classifier
-
     return classifier.__wrapped__(config, x[-1], rms_final_weight, wcls)
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jllama import kernels
 from jllama.config import ModelConfig
+from jllama.graphs.attention import write_positions
 from jllama.graphs.ops import norm_matmul, rope, split_qkv
 
 
@@ -70,10 +70,7 @@ def qkv(
         q = rope(q, pos, inv_freq)
         k = rope(k, pos, inv_freq)
     with jax.named_scope("cache_write"):
-        zero = jnp.zeros((), jnp.int32)
-        offset = pos % key_block.shape[1]
-        key_block = jax.lax.dynamic_update_slice(key_block, k[:, None, :], (zero, offset, zero))
-        value_block = jax.lax.dynamic_update_slice(
-            value_block, v[:, None, :], (zero, offset, zero)
+        key_block, value_block = write_positions(
+            (key_block, value_block), (k[:, None, :], v[:, None, :]), pos
         )
     return q, key_block, value_block

@@ -11,8 +11,8 @@ the next call would see a new input layout and compile again; and every process 
 multi-process run reads the logits (and the loop's tokens) on the host, which needs them
 replicated on its own devices, not split across processes.
 
-`sharded_programs(mesh)` returns an object with the attributes the backend calls on the
-`jllama.graphs` module (`qkv`, `attention`, ...), so the backend runs either one.
+`sharded_programs(mesh)` returns a `jllama.graphs.Programs`, as `jllama.graphs.ONE_DEVICE` is
+for one device, so the backend runs either one.
 
 On XLA CPU each call waits for its results (`wait=True`). XLA CPU runs each device's part of
 a program as a task of one thread pool, and a collective holds its thread until every device
@@ -25,12 +25,11 @@ queueing the next never deadlocked.
 
 from __future__ import annotations
 
-import types
-
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jllama import graphs
+from jllama.graphs.programs import Programs
 from jllama.sharding import AXIS
 
 
@@ -44,7 +43,7 @@ def _waiting(program):
     return call
 
 
-def sharded_programs(mesh: Mesh, wait: bool | None = None) -> types.SimpleNamespace:
+def sharded_programs(mesh: Mesh, wait: bool | None = None) -> Programs:
     """The decode, prefill, fused and loop programs jitted for `mesh` (1-D, axis `AXIS`).
 
     Each keeps its `jllama.graphs` counterpart's arguments, static arguments and donations;
@@ -71,7 +70,7 @@ def sharded_programs(mesh: Mesh, wait: bool | None = None) -> types.SimpleNamesp
         )
         return _waiting(compiled) if wait else compiled
 
-    return types.SimpleNamespace(
+    return Programs(
         qkv=jit(graphs.qkv, (heads, heads, heads), ("shards", "matvec"), donate_block),
         attention=jit(graphs.attention, heads, ("matvec",)),
         block=jit(graphs.block, rep, ("matvec",)),
