@@ -1,7 +1,10 @@
-"""Model implementations behind one protocol (`jllama.backends.base.Backend`).
+"""Model implementations behind one protocol (`jllama.backends.base.Backend`), each with the
+capabilities of `jllama.backends.base` it has:
 
-  numpy  the reference: run.c's forward pass spelled out step by step
-  jax    the graph-compiled pipeline of `jllama.graphs`
+  numpy  the reference: run.c's forward pass spelled out step by step (PrefillLogits,
+         Described)
+  jax    the graph-compiled pipeline of `jllama.graphs` (Prefill, PrefillLogits, DeviceLoop,
+         CompilePlanning, Described; `jllama.backends.jax_graph`)
 """
 
 from __future__ import annotations

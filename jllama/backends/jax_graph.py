@@ -10,29 +10,33 @@ blocks of 256 positions (`graphs.attention`), passed whole to the programs.
 With `devices=N` (or a `mesh`) the same programs run split over N devices, tensor-parallel
 (`jllama.sharding`: every device holds its heads' and hidden units' slice of every layer and
 its KV heads' caches; `jllama.graphs.sharded`: the programs with their output layouts).
+
+The backend is assembled from one module per job, each a class over the shared state that
+`jax_state.JaxState` names: this module (construction, `prepare`, notes), `jax_step` (the
+decode step, `forward`), `jax_prefill` (batched prefill), `jax_loop` (the device loop),
+`jax_compile` (compile planning) and `jax_caches` (the KV-cache blocks).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from jllama import graphs
-from jllama.backends.base import check_token_pos
-from jllama.config import ModelConfig
 from jllama import kernels
+from jllama.backends.jax_caches import LazyBlocks, layer_caches
+from jllama.backends.jax_compile import CompilePlan
+from jllama.backends.jax_loop import LOOP_CHUNK, LOOP_STOP_IDS
+from jllama.backends.jax_prefill import PREFILL_CHUNKS
+from jllama.config import ModelConfig
 from jllama.errors import BackendError
 from jllama.ggml_matrix import for_xla, is_ggml, repacked
-from jllama.quant import embedding_rows
 from jllama.packing import pack_in_decode_order
-from jllama.rope import rope_cos_sin, rope_frequencies
+from jllama.rope import rope_frequencies
 from jllama.sharding import TensorParallel
 from jllama.weights import (
     TransformerWeights,
@@ -47,47 +51,23 @@ caches (`jllama.graphs.fused`); loop: `LOOP_CHUNK` tokens per call of one progra
 samples (`jllama.graphs.loop`, through `decode_loop`; `forward` runs the graph programs). All
 give the same greedy tokens."""
 
-LOOP_CHUNK = 16
-LOOP_STOP_IDS = 8
-"""Tokens one `decode_loop` call samples at most (the compiled loop's capacity): the host sees
-tokens in chunks of this many. LOOP_STOP_IDS: the most stop tokens it takes."""
-
 MATVEC = ("auto", "xla", "kernel")
 """How the decode programs compute their matrix-vector products (`jllama.graphs.ops.matmul`):
 "kernel": jllama's CPU kernels (`jllama.kernels`); "xla": `jnp.dot`; "auto": the kernels on one
 CPU device when they build here, else XLA."""
 
-PREFILL_CHUNKS = (256, 64, 8)
-"""Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
-chunks of these sizes (none crossing a 256-position cache block) and the fewer-than-8 tokens
-left go through the decode programs. 256-token chunks: SmolLM2's 512-token prefill ran at 957
-tok/s against 730 with chunks of at most 64 (XLA's matrix-matrix products are more efficient
-on more rows; bench/NOTES.md)."""
+__all__ = [
+    "DECODE_MODES",
+    "LOOP_CHUNK",
+    "LOOP_STOP_IDS",
+    "MATVEC",
+    "PREFILL_CHUNKS",
+    "JaxGraphBackend",
+    "LazyBlocks",
+]
 
 
-class LazyBlocks(list):
-    """One layer's KV-cache blocks (a list of `count` arrays), each made by `make` the first
-    time it is read: a short run of a long-context model allocates only the blocks it reaches
-    (SmolLM2's 8192 positions are 377 MB of zeros, about 0.5-1 s to write at start-up)."""
-
-    def __init__(self, count: int, make):
-        super().__init__([None] * count)
-        self._make = make
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        block = super().__getitem__(index)
-        if block is None:
-            block = self._make()
-            super().__setitem__(index, block)
-        return block
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-
-class JaxGraphBackend:
+class JaxGraphBackend(CompilePlan):
     """Graph-compiled backend over per-layer device arrays and per-layer head-major caches.
 
     Args:
@@ -118,6 +98,13 @@ class JaxGraphBackend:
       matvec: "xla" or "kernel" after `prepare` (the requested mode before).
       matvec_note: why matvec="auto" chose "xla" on a CPU (the kernels' build error, one
         line), or "" when it did not.
+      weights_note: how `prepare` converted GGML blocks for XLA's products, or "".
+      loop_chunk: `LOOP_CHUNK`, the most tokens one `decode_loop` call samples.
+      platform: the device's platform ("cpu", "gpu", "tpu").
+
+    It satisfies every protocol of `jllama.backends.base`: `Backend`, `Prefill`,
+    `PrefillLogits`, `DeviceLoop`, `CompilePlanning` and `Described` (`notes` gathers
+    matvec_note, weights_note and sharding_notes as lines for the user).
     """
 
     name = "jax"
@@ -144,7 +131,7 @@ class JaxGraphBackend:
         self._mesh = mesh
         self.tensor_parallel: TensorParallel | None = None
         self.sharding_notes: list[str] = []
-        self._programs = graphs
+        self._programs = graphs.ONE_DEVICE
         self._shards = 1
         if mesh is not None:
             device = mesh.devices.flat[0]
@@ -222,19 +209,10 @@ class JaxGraphBackend:
         # Per layer, a list of cache blocks (`jllama.graphs.attention`): whole arrays, so no
         # program ever copies a window out of a larger cache.
         self.block_length = graphs.block_length(config.seq_len)
-        shape = (config.n_kv_heads, self.block_length, config.head_dim)
-        count = graphs.n_blocks(config.seq_len)
-
         where = self.device if tp is None else tp.by_head  # split by KV head
-
-        def blocks():
-            if tp is None:
-                return LazyBlocks(count, lambda: jnp.zeros(shape, jnp.float32, device=where))
-            return [jnp.zeros(shape, jnp.float32, device=where) for _ in range(count)]
-
-        self.key_cache = [blocks() for _ in self.layers]
-        self.value_cache = [blocks() for _ in self.layers]
-        self._zero_block = jnp.zeros(shape, jnp.float32, device=where)
+        self.key_cache, self.value_cache, self._zero_block = layer_caches(
+            config, len(self.layers), where, lazy=tp is None
+        )
         start = time.perf_counter()
         # Warm-up: traces and compiles all four programs. Harmless to the sequence that follows:
         # position 0 is rewritten by the first real step and later positions are masked.
@@ -281,305 +259,19 @@ class JaxGraphBackend:
         self._programs = sharded_programs(self.tensor_parallel.mesh)
         self._shards = self.devices
 
-    def _put(self, host):
-        """A host array (or scalar) on the device, or replicated over the mesh."""
-        if self.tensor_parallel is None:
-            return jax.device_put(host, self.device)
-        return self.tensor_parallel.put(np.asarray(host))
+    @property
+    def platform(self) -> str:
+        """The platform of the device it runs on (of the mesh's devices when split)."""
+        return self.device.platform
 
-    def _arg(self, host):
-        """A small host argument for a program: passed as is on one device (jit moves it),
-        a replicated global array over a mesh (what every process of a multi-process run
-        can pass)."""
-        return host if self.tensor_parallel is None else self._put(host)
-
-    def prefill(self, tokens, start_pos: int) -> np.ndarray:
-        """Feed `tokens` at positions start_pos, start_pos+1, ... and return the logits
-        f32[vocab_size] after the last one (what `forward` of the last token returns, up to
-        float rounding: the sums run in another order).
-
-        Chunks of `PREFILL_CHUNKS` tokens go through each layer as matrix-matrix products
-        (`jllama.graphs.prefill`), reading each weight once per chunk instead of once per token;
-        the remaining tokens go through `forward`.
-
-        Raises:
-          ValueError: no tokens, or positions beyond seq_len (as `forward`).
-        """
-        config = self.config
-        if config is None:
-            raise RuntimeError("JaxGraphBackend.prefill called before prepare")
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise ValueError("prefill needs at least one token")
-        check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)  # the last position
-        for t in tokens:
-            check_token_pos(config, t, start_pos)
-        logits, x = None, None
-        for pos, size in self._prefill_plan(start_pos, len(tokens)):
-            if size:
-                x = self._prefill_chunk(tokens[pos - start_pos:pos - start_pos + size], pos)
-                logits = None
-            else:
-                logits = self.forward(tokens[pos - start_pos], pos)
-                x = None
-        if logits is None:
-            logits = np.asarray(
-                self._programs.classifier_last(config, x, self.rms_final_weight, self.wcls)
-            )
-        return logits
-
-    def prefill_logits(self, tokens, start_pos: int, first: int = 0) -> np.ndarray:
-        """Feed `tokens` at positions start_pos, start_pos+1, ... as `prefill` does and return
-        the logits after each of tokens[first:]: f32[len(tokens) - first, vocab_size], row i
-        the prediction that follows tokens[first + i] (what `forward` of that token returns,
-        up to float rounding).
-
-        Chunks run `prefill`'s programs and `jllama.graphs.classifier_rows` over their rows
-        (chunks wholly before `first` skip the classifier); the tokens left over go through
-        `forward`. A sequence started again at start_pos 0 sees only what it writes: attention
-        at position p reads cache positions <= p, all written by this call.
-
-        Raises:
-          ValueError: no tokens, first outside [0, len(tokens)), or positions beyond seq_len.
-        """
-        config = self.config
-        if config is None:
-            raise RuntimeError("JaxGraphBackend.prefill_logits called before prepare")
-        tokens = [int(t) for t in tokens]
-        if not 0 <= first < len(tokens):
-            raise ValueError(f"first={first} must index one of the {len(tokens)} tokens")
-        check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)
-        for t in tokens:
-            check_token_pos(config, t, start_pos)
-        rows = []
-        for pos, size in self._prefill_plan(start_pos, len(tokens)):
-            i = pos - start_pos  # index of the step's first token
-            if not size:
-                logits = self.forward(tokens[i], pos)
-                if i >= first:
-                    rows.append(logits[None])
-                continue
-            x = self._prefill_chunk(tokens[i:i + size], pos)
-            if i + size > first:
-                logits = self._programs.classifier_rows(config, x, self.rms_final_weight,
-                                                        self.wcls)
-                rows.append(np.asarray(logits)[max(first - i, 0):])
-        return np.concatenate(rows)
-
-    def _prefill_plan(self, start_pos: int, n: int):
-        """(pos, size) of each step of a prefill of n tokens from start_pos: a chunk of
-        `size` tokens, or one token through `forward` when size is 0. A chunk never crosses a
-        cache block boundary (it writes into one block)."""
-        pos, end = start_pos, start_pos + n
-        while pos < end:
-            room = min(end - pos, self.block_length - pos % self.block_length)
-            size = next((s for s in PREFILL_CHUNKS if s <= room), 0)
-            yield pos, size
-            pos += size or 1
-
-    def _prefill_chunk(self, chunk: list[int], pos: int) -> jax.Array:
-        config = self.config
-        rows = embedding_rows(self.token_embedding_table, np.asarray(chunk))
-        x = self._put(rows)
-        pos_arr = self._put(np.int32(pos))
-        cos, sin = map(self._put, rope_cos_sin(np.arange(pos, pos + len(chunk)), self._inv_freq))
-        k = graphs.attention_blocks(config.seq_len, pos + len(chunk) - 1)
-        b = pos // self.block_length
-        programs = self._programs
-        for l, layer in enumerate(self.layers):
-            keys, values = self.key_cache[l], self.value_cache[l]
-            q, keys[b], values[b] = programs.qkv_chunk(
-                config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
-                cos, sin, shards=self._shards,
-            )
-            att = programs.attention_chunk(
-                config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec
-            )
-            x = programs.block_chunk(
-                config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
-            )
-        return x
-
-    def decode_loop(
-        self,
-        token: int,
-        pos: int,
-        n: int,
-        kind: str = "greedy",
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        coins=None,
-        stop_ids=(),
-    ) -> tuple[list[int], bool]:
-        """Feed `token` at `pos` and sample up to min(n, LOOP_CHUNK) tokens after it on the
-        device, each fed in turn (`jllama.graphs.decode_loop`).
-
-        Args:
-          token, pos: the last chosen token and its position (not yet in the cache).
-          n: tokens wanted, >= 1; positions beyond seq_len are never reached (n is capped).
-          kind: "greedy", "mult" or "topp" (`jllama.graphs.sample_on_device`);
-          temperature, top_p: as `jllama.sampling.Sampler`.
-          coins: the random draw (float in [0, 1)) for each sampled token in order, at least
-            min(n, LOOP_CHUNK) of them unless greedy.
-          stop_ids: tokens that end the chunk when sampled (returned last).
-
-        Returns:
-          (ids, finite): the sampled tokens (ending early after a stop token), and False if
-          the loop stopped at logits that are not finite (positions pos .. pos + len(ids) are
-          then in the cache).
-
-        Raises:
-          ValueError: token or pos out of range, n < 1, too few coins, an unknown kind.
-        """
-        config = self.config
-        if config is None:
-            raise RuntimeError("JaxGraphBackend.decode_loop called before prepare")
-        token, pos = check_token_pos(config, token, pos)
-        if n < 1:
-            raise ValueError(f"decode_loop needs n >= 1, got {n}")
-        if kind not in graphs.SAMPLING_KINDS:
-            raise ValueError(f"kind={kind!r}; known: {', '.join(graphs.SAMPLING_KINDS)}")
-        # All positions of one call in one cache block (see `jllama.graphs.loop`).
-        n = min(n, LOOP_CHUNK, config.seq_len - pos, self.block_length - pos % self.block_length)
-        draws = np.zeros(LOOP_CHUNK, np.float32)
-        if kind != "greedy":
-            if coins is None or len(coins) < n:
-                raise ValueError(f"decode_loop with kind={kind!r} needs {n} coins")
-            draws[:n] = np.asarray(coins[:n], np.float32)
-        stop_ids = [int(t) for t in stop_ids]
-        if len(stop_ids) > LOOP_STOP_IDS:
-            raise ValueError(f"decode_loop takes at most {LOOP_STOP_IDS} stop ids")
-        # A fixed-size array (padded with -1, never sampled): one compiled shape.
-        stops = np.full(LOOP_STOP_IDS, -1, np.int32)
-        stops[: len(stop_ids)] = stop_ids
-        k = graphs.attention_blocks(config.seq_len, pos + n - 1)
-        cur = pos // self.block_length
-        if self._loop_embedding is None:
-            shared = self._shared_embedding
-            if shared:
-                self._loop_embedding = self.wcls
-            elif self.tensor_parallel is None:
-                self._loop_embedding = jax.device_put(self.token_embedding_table, self.device)
-            else:  # split by vocabulary rows, as the classifier
-                tp = self.tensor_parallel
-                table = self.token_embedding_table
-                self._loop_embedding = tp.put(table, tp.classifier_spec(table))
-        def others(blocks):  # the first k blocks, zeros in the current one's slot
-            return tuple(self._zero_block if i == cur else blocks[i] for i in range(k))
-
-        arg = self._arg
-        out, count, finite, keys, values = self._programs.decode_loop(
-            config, arg(np.int32(token)), arg(np.int32(pos)), arg(np.int32(n)),
-            self._loop_embedding, self.layers, tuple(kc[cur] for kc in self.key_cache),
-            tuple(vc[cur] for vc in self.value_cache),
-            tuple(others(kc) for kc in self.key_cache),
-            tuple(others(vc) for vc in self.value_cache), arg(np.int32(cur)), self.inv_freq,
-            self.rms_final_weight, self.wcls, arg(np.float32(temperature)), arg(np.float32(top_p)),
-            arg(draws), arg(stops), n_steps=LOOP_CHUNK, kind=kind, shards=self._shards,
-            matvec=self.matvec,
-        )
-        for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,
-                                      strict=True):
-            kc[cur], vc[cur] = key, value
-        count = int(count)
-        return [int(t) for t in np.asarray(out)[:count]], bool(finite)
-
-    def compile_loop(self, kind: str = "greedy") -> float:
-        """Compile `decode_loop` for `kind` and the first cache block, by running it once
-        at position 0 (harmless before a sequence starts: position 0 is rewritten by the first
-        real step; do not call it in the middle of one). Returns the seconds it took (also
-        added to `compile_seconds`). Longer windows compile when the context reaches them."""
-        start = time.perf_counter()
-        self.decode_loop(0, 0, 1, kind=kind, coins=[0.0])
-        self._compiled.add(("loop", kind, graphs.attention_blocks(self.config.seq_len, 0)))
-        seconds = time.perf_counter() - start
-        self.compile_seconds += seconds
-        return seconds
-
-    def compile_for(
-        self, prompt_len: int, last: int, kind: str | None = None, chunked: bool = True,
-        start: int = 0,
-    ) -> float:
-        """Compile, before a generation, the programs it will need that are not compiled yet:
-        the prefill chunk programs of `prompt_len` prompt tokens fed from position `start`
-        (one chunk of each size and window it will use; with chunked=False the prompt goes
-        through `forward` instead) and the decode programs of every attention window that the
-        positions up to `last` grow into (`forward`; with `kind`, one of
-        `graphs.SAMPLING_KINDS`, `decode_loop` for the positions after the prompt). Without it
-        these compile inside the first prefill and in the middle of decoding (about 1.5 s for
-        SmolLM2's loop program at each new window), and the rates printed count the compiles.
-
-        Runs each program not run by `prepare`, `compile_loop` or an earlier `compile_for` once
-        on token 0 at a position >= start it will serve: it writes only positions that the
-        generation writes again before anything reads them, so a conversation can call it
-        before each turn with `start` at the turn's first new position (positions < start
-        keep their keys and values). Returns the seconds it took (also added to
-        `compile_seconds`)."""
-        config = self.config
-        if config is None:
-            raise RuntimeError("JaxGraphBackend.compile_for called before prepare")
-        began = time.perf_counter()
-        blocks = functools.partial(graphs.attention_blocks, config.seq_len)
-        end = min(start + prompt_len, config.seq_len)
-        for pos, size in self._prefill_plan(start, (end - start) * chunked):
-            key = ("prefill", size, blocks(pos + max(size, 1) - 1))
-            if size and key not in self._compiled:
-                self._compiled.add(key)
-                self._prefill_chunk([0] * size, pos)
-        first, final = end if chunked else start, min(last, config.seq_len - 1)
-        # Where a program can first be needed: the first position, the first after the prompt
-        # and each block's first (where the window can grow); not every position.
-        starts = range((first // self.block_length + 1) * self.block_length, final + 1,
-                       self.block_length)
-        for pos in sorted({p for p in (first, end, *starts) if first <= p <= final}):
-            if ("forward", blocks(pos)) not in self._compiled:
-                self._compiled.add(("forward", blocks(pos)))
-                self.forward(0, pos)
-            if kind is not None and pos >= end and ("loop", kind, blocks(pos)) not in self._compiled:
-                self._compiled.add(("loop", kind, blocks(pos)))
-                self.decode_loop(0, pos, 1, kind=kind, coins=[0.0])
-        seconds = time.perf_counter() - began
-        self.compile_seconds += seconds
-        return seconds
-
-    def forward(self, token: int, pos: int) -> np.ndarray:
-        """Logits f32[vocab_size] for `token` at `pos` (see `jllama.backends.base.Backend`)."""
-        config = self.config
-        if config is None:
-            raise RuntimeError("JaxGraphBackend.forward called before prepare")
-        token, pos = check_token_pos(config, token, pos)
-        x = self._put(embedding_rows(self.token_embedding_table, token))
-        pos_arr = self._put(np.int32(pos))
-        k = graphs.attention_blocks(config.seq_len, pos)
-        b = pos // self.block_length
-        programs = self._programs
-        if self.decode == "fused":
-            logits, new_k, new_v = programs.decode_step(
-                config, x, self.layers, tuple(tuple(kc[:k]) for kc in self.key_cache),
-                tuple(tuple(vc[:k]) for vc in self.value_cache), pos_arr, self.inv_freq,
-                self.rms_final_weight, self.wcls, shards=self._shards, matvec=self.matvec,
-            )
-            keys, values = programs.write_caches(
-                config, tuple(kc[b] for kc in self.key_cache),
-                tuple(vc[b] for vc in self.value_cache), new_k, new_v, pos_arr,
-            )
-            for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,
-                                          strict=True):
-                kc[b], vc[b] = key, value
-            return np.asarray(logits)
-        for l, layer in enumerate(self.layers):
-            keys, values = self.key_cache[l], self.value_cache[l]
-            q, keys[b], values[b] = programs.qkv(
-                config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
-                self.inv_freq, shards=self._shards, matvec=self.matvec,
-            )
-            att = programs.attention(
-                config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec
-            )
-            x = programs.block(
-                config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3,
-                matvec=self.matvec,
-            )
-        logits = programs.classifier(config, x, self.rms_final_weight, self.wcls,
-                                     matvec=self.matvec)
-        return np.asarray(logits)
+    def notes(self) -> list[str]:
+        """What `prepare` chose that the user should hear of, one line each (empty before
+        `prepare`): the fall-back to XLA's products and why, GGML blocks converted for them,
+        and what was replicated instead of split over the devices. The CLI prints each after
+        "jllama: note: ", spelling `matvec=` as its flag `--matvec=`."""
+        lines = []
+        if self.matvec_note:
+            lines.append(f"using XLA's products (matvec=xla): {self.matvec_note}")
+        if self.weights_note:
+            lines.append(self.weights_note)
+        return lines + list(self.sharding_notes)

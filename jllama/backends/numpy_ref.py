@@ -180,14 +180,20 @@ def forward(
 class NumpyBackend:
     """The reference backend: `forward` above over a NumPy KV cache.
 
+    Satisfies `jllama.backends.base.Backend`, `PrefillLogits` and `Described`.
+
     Attributes:
       name: "numpy".
+      platform: "cpu".
+      weights_note: how `prepare` widened quantized weights (one line), or "".
     """
 
     name = "numpy"
+    platform = "cpu"
 
     def __init__(self):
         self.config: ModelConfig | None = None
+        self.weights_note = ""
 
     def prepare(self, config: ModelConfig, weights: TransformerWeights) -> None:
         """Keep float32 weights as they are (file layout, possibly memory-mapped), widen others
@@ -215,6 +221,11 @@ class NumpyBackend:
         # as the jax backend's kernels do, rather than numpy warning at every product.
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             return forward(self.config, self.weights, self.cache, self.inv_freq, token, pos)
+
+    def notes(self) -> list[str]:
+        """What `prepare` chose that the user should hear of: the widening of quantized
+        weights to float32 (one line), or nothing."""
+        return [self.weights_note] if self.weights_note else []
 
     def prefill_logits(self, tokens, start_pos: int, first: int = 0) -> np.ndarray:
         """`forward` of each token at start_pos, start_pos+1, ... in turn; the logits after

@@ -1,0 +1,133 @@
+"""The jax backend's batched prefill: a prompt cut into chunks that go through each layer as
+matrix-matrix products (`jllama.graphs.prefill`), the tokens left over through `forward`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from jllama import graphs
+from jllama.backends.base import check_token_pos
+from jllama.backends.jax_step import DecodeStep
+from jllama.quant import embedding_rows
+from jllama.rope import rope_cos_sin
+
+PREFILL_CHUNKS = (256, 64, 8)
+"""Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
+chunks of these sizes (none crossing a 256-position cache block) and the fewer-than-8 tokens
+left go through the decode programs. 256-token chunks: SmolLM2's 512-token prefill ran at 957
+tok/s against 730 with chunks of at most 64 (XLA's matrix-matrix products are more efficient
+on more rows; bench/NOTES.md)."""
+
+
+class PrefillSteps(DecodeStep):
+    """`prefill` and `prefill_logits` of `JaxGraphBackend` (`jllama.backends.base.Prefill`,
+    `PrefillLogits`), over the state `jax_state.JaxState` names; the tokens a chunk cannot
+    take go through the decode step (`jax_step.DecodeStep.forward`)."""
+
+    def prefill(self, tokens, start_pos: int) -> np.ndarray:
+        """Feed `tokens` at positions start_pos, start_pos+1, ... and return the logits
+        f32[vocab_size] after the last one (what `forward` of the last token returns, up to
+        float rounding: the sums run in another order).
+
+        Chunks of `PREFILL_CHUNKS` tokens go through each layer as matrix-matrix products
+        (`jllama.graphs.prefill`), reading each weight once per chunk instead of once per token;
+        the remaining tokens go through `forward`.
+
+        Raises:
+          ValueError: no tokens, or positions beyond seq_len (as `forward`).
+        """
+        config = self._prepared("prefill")
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)  # the last position
+        for t in tokens:
+            check_token_pos(config, t, start_pos)
+        logits, x = None, None
+        for pos, size in self._prefill_plan(start_pos, len(tokens)):
+            if size:
+                x = self._prefill_chunk(tokens[pos - start_pos:pos - start_pos + size], pos)
+                logits = None
+            else:
+                logits = self.forward(tokens[pos - start_pos], pos)
+                x = None
+        if logits is None:
+            logits = np.asarray(
+                self._programs.classifier_last(config, x, self.rms_final_weight, self.wcls)
+            )
+        return logits
+
+    def prefill_logits(self, tokens, start_pos: int, first: int = 0) -> np.ndarray:
+        """Feed `tokens` at positions start_pos, start_pos+1, ... as `prefill` does and return
+        the logits after each of tokens[first:]: f32[len(tokens) - first, vocab_size], row i
+        the prediction that follows tokens[first + i] (what `forward` of that token returns,
+        up to float rounding).
+
+        Chunks run `prefill`'s programs and `jllama.graphs.classifier_rows` over their rows
+        (chunks wholly before `first` skip the classifier); the tokens left over go through
+        `forward`. A sequence started again at start_pos 0 sees only what it writes: attention
+        at position p reads cache positions <= p, all written by this call.
+
+        Raises:
+          ValueError: no tokens, first outside [0, len(tokens)), or positions beyond seq_len.
+        """
+        config = self._prepared("prefill_logits")
+        tokens = [int(t) for t in tokens]
+        if not 0 <= first < len(tokens):
+            raise ValueError(f"first={first} must index one of the {len(tokens)} tokens")
+        check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)
+        for t in tokens:
+            check_token_pos(config, t, start_pos)
+        rows = []
+        for pos, size in self._prefill_plan(start_pos, len(tokens)):
+            i = pos - start_pos  # index of the step's first token
+            if not size:
+                logits = self.forward(tokens[i], pos)
+                if i >= first:
+                    rows.append(logits[None])
+                continue
+            x = self._prefill_chunk(tokens[i:i + size], pos)
+            if i + size > first:
+                logits = self._programs.classifier_rows(config, x, self.rms_final_weight,
+                                                        self.wcls)
+                rows.append(np.asarray(logits)[max(first - i, 0):])
+        return np.concatenate(rows)
+
+    def _prefill_plan(self, start_pos: int, n: int) -> Iterator[tuple[int, int]]:
+        """(pos, size) of each step of a prefill of n tokens from start_pos: a chunk of
+        `size` tokens, or one token through `forward` when size is 0. A chunk never crosses a
+        cache block boundary (it writes into one block)."""
+        pos, end = start_pos, start_pos + n
+        while pos < end:
+            room = min(end - pos, self.block_length - pos % self.block_length)
+            size = next((s for s in PREFILL_CHUNKS if s <= room), 0)
+            yield pos, size
+            pos += size or 1
+
+    def _prefill_chunk(self, chunk: list[int], pos: int) -> jax.Array:
+        """The chunk's tokens at positions pos .. pos+len-1 through every layer (their keys
+        and values written to the caches); returns the residual streams f32[len, dim]."""
+        config = self.config
+        rows = embedding_rows(self.token_embedding_table, np.asarray(chunk))
+        x = self._put(rows)
+        pos_arr = self._put(np.int32(pos))
+        cos, sin = map(self._put, rope_cos_sin(np.arange(pos, pos + len(chunk)), self._inv_freq))
+        k = graphs.attention_blocks(config.seq_len, pos + len(chunk) - 1)
+        b = pos // self.block_length
+        programs = self._programs
+        for l, layer in enumerate(self.layers):
+            keys, values = self.key_cache[l], self.value_cache[l]
+            q, keys[b], values[b] = programs.qkv_chunk(
+                config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
+                cos, sin, shards=self._shards,
+            )
+            att = programs.attention_chunk(
+                config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec
+            )
+            x = programs.block_chunk(
+                config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
+            )
+        return x
