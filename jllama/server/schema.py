@@ -167,12 +167,11 @@ class _Sampling(_Strict):
         seed = None
         if self.seed is not None:
             seed = self.seed % _U64 or _U64 - 1
-        options = {
-            name: getattr(self, name)
-            for name in ("top_k", "min_p", "repeat_penalty", "presence_penalty",
-                         "frequency_penalty", "penalty_last_n")
-            if getattr(self, name) is not None
-        }
+        options = self.model_dump(
+            include={"top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
+                     "penalty_last_n"},
+            exclude_none=True,
+        )
         if self.samplers is not None:
             options["order"] = tuple(self.samplers)
         return SamplerConfig(
