@@ -14,22 +14,56 @@ ByteLevel BPE do it:
 
 Decoding maps a normal token's characters back to bytes through the same table; control
 tokens print nothing unless asked, user-defined tokens print their text as stored.
+
+GPT-2's alphabet and the pre-tokenizers are `jllama.tokenizers.byte_level` (importable from
+here too); the special-token and stream-decoding helpers, `jllama.tokenizers.base`.
 """
+
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
-import functools
-import heapq
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import regex
 
 from jllama.errors import TokenizerError
-from jllama.tokenizers.llama2c import bytes_for_display, split_special_tokens
+from jllama.tokenizers.base import (
+    DecodesPrintedBytes,
+    Segments,
+    StreamDecoder,
+    check_token,
+    text_of,
+)
+from jllama.tokenizers.byte_level import (
+    BYTE_TO_UNICODE,
+    LLAMA_BPE_PATTERN,
+    PRE_TOKENIZERS,
+    UNICODE_TO_BYTE,
+    PreTokenizer,
+    byte_level_decode,
+    byte_level_encode,
+    compile_patterns,
+    merge_by_rank,
+    pre_tokenize,
+)
+from jllama.tokenizers.specials import (
+    encode_around_specials,
+    special_order,
+    split_special_tokens,
+)
+
+__all__ = [
+    "BYTE", "BYTE_TO_UNICODE", "CONTROL", "END_OF_GENERATION_TEXTS", "NORMAL", "PRE_TOKENIZERS",
+    "UNICODE_TO_BYTE", "UNKNOWN", "UNUSED", "USER_DEFINED", "ByteLevelBPE", "ByteStreamDecoder",
+    "PreTokenizer", "pre_tokenize", "split_special_tokens",
+]
+
+# Old private names, still imported by tests.
+_compile = compile_patterns
+_LLAMA3_PATTERN = LLAMA_BPE_PATTERN
 
 # GGUF token types (gguf-py's TokenType, llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -49,120 +83,13 @@ _CACHE_LIMIT = 50_000
 """Most pre-tokens whose ids `ByteLevelBPE` keeps; the cache is emptied when full."""
 
 
-def _byte_to_unicode() -> tuple[str, ...]:
-    """GPT-2's table (openai/gpt-2 encoder.py `bytes_to_unicode`): the 188 printable bytes
-    "!".."~", "¡".."¬", "®".."ÿ" stand for the code point of the same number; the other 68
-    bytes, in increasing order, for U+0100, U+0101, ... ."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    table, extra = [], 0
-    for byte in range(256):
-        if byte in printable:
-            table.append(chr(byte))
-        else:
-            table.append(chr(0x100 + extra))
-            extra += 1
-    return tuple(table)
-
-
-BYTE_TO_UNICODE: tuple[str, ...] = _byte_to_unicode()
-"""BYTE_TO_UNICODE[b]: the one-character string that stands for byte b in token texts."""
-
-UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in enumerate(BYTE_TO_UNICODE)}
-"""The inverse of BYTE_TO_UNICODE."""
-
-# bytes.decode("latin-1") gives code points 0..255; this table maps them to GPT-2's characters.
-_LATIN1_TO_GPT2 = {b: c for b, c in enumerate(BYTE_TO_UNICODE)}
-
-_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3_PATTERN = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class PreTokenizer:
-    """How one `tokenizer.ggml.pre` value pre-tokenizes (src/llama-vocab.cpp, llama.cpp).
-
-    Attributes:
-      patterns: regexes (the `regex` package's syntax: \\p{L} letters, \\p{N} numbers, \\s
-        Unicode White_Space) applied in order.
-      ignore_merges: a pre-token that is a whole token is emitted as is, without merging
-        (llama.cpp's `ignore_merges`, Hugging Face's BPE "ignore_merges"; Llama 3).
-      add_bos: whether BOS is added when the GGUF has no `tokenizer.ggml.add_bos_token`.
-    """
-
-    patterns: tuple[str, ...]
-    ignore_merges: bool = False
-    add_bos: bool = False
-
-
-_SMOLLM = PreTokenizer((r"\p{N}", _GPT2_PATTERN))
-_GPT2 = PreTokenizer((_GPT2_PATTERN,))
-_LLAMA3 = PreTokenizer((_LLAMA3_PATTERN,), ignore_merges=True, add_bos=True)
-_DEFAULT = PreTokenizer(
-    (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_PATTERN, r"\p{N}+", r"[0-9][0-9][0-9]")
-)
-
-PRE_TOKENIZERS: Mapping[str, PreTokenizer] = {
-    **dict.fromkeys(
-        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva",
-         "minerva-7b"],
-        _SMOLLM,
-    ),
-    **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"], _GPT2),
-    **dict.fromkeys(
-        ["llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano"],
-        _LLAMA3,
-    ),
-    # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT, also used when the key is missing.
-    "default": _DEFAULT,
-}
-"""`tokenizer.ggml.pre` value -> its pre-tokenizer, as llama.cpp maps them (src/llama-vocab.cpp:
-the pre-type chosen in `llama_vocab::impl::load`, the regexes in `llm_tokenizer_bpe`)."""
-
-
-@functools.cache
-def _compile(patterns: tuple[str, ...]) -> tuple[regex.Pattern, ...]:
-    return tuple(regex.compile(p) for p in patterns)
-
-
-def pre_tokenize(text: str, patterns: Sequence[regex.Pattern]) -> list[str]:
-    """Split `text` by a list of regexes the way llama.cpp's `unicode_regex_split` does.
-
-    Each regex splits every fragment produced by the previous one: its matches become
-    fragments, and so does each stretch of text between matches (Python's `findall` would drop
-    those). A fragment is searched on its own, so lookaheads see its end as the end of text.
-
-    Returns:
-      list of non-empty str whose concatenation is `text`.
-    """
-    fragments = [text] if text else []
-    for pattern in patterns:
-        out = []
-        for fragment in fragments:
-            pos = 0
-            for match in pattern.finditer(fragment):
-                start, end = match.span()
-                if start == end:
-                    continue
-                if start > pos:
-                    out.append(fragment[pos:start])
-                out.append(fragment[start:end])
-                pos = end
-            if pos < len(fragment):
-                out.append(fragment[pos:])
-        fragments = out
-    return fragments
-
-
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class ByteLevelBPE:
+class ByteLevelBPE(DecodesPrintedBytes):
     """A byte-level BPE vocabulary (GPT-2, SmolLM, Llama 3, ...) as stored in GGUF.
+    Implements `jllama.tokenizers.base.Tokenizer`.
 
     Attributes:
       tokens: tuple[str] of length vocab_size, token texts in GPT-2's byte-level alphabet
@@ -182,9 +109,12 @@ class ByteLevelBPE:
         pre-token found in the vocabulary is emitted without merging); None keeps it.
       extra_stop_ids: more ids that end a generation (e.g. generation_config.json's).
 
-    Derived at construction: `stop_ids` (eos_id, eot_id, eom_id and the tokens whose text is in
-    END_OF_GENERATION_TEXTS) and `control_ids` (unknown, control and unused tokens: they print
-    nothing unless decoded with special=True).
+    Derived at construction: `vocab_size` (the number of tokens), `stop_ids` (eos_id, eot_id,
+    eom_id and the tokens whose text is in END_OF_GENERATION_TEXTS) and `control_ids`
+    (unknown, control and unused tokens: they print nothing unless decoded with special=True).
+
+    Class attribute: drops_unknown_bytes = True (a byte the vocabulary has no token for is
+    left out of `encode`, as llama.cpp and Hugging Face's `tokenizers` do).
 
     Equality is identity (the vocabulary is large; compare `tokens`/`merges` if needed).
 
@@ -207,6 +137,7 @@ class ByteLevelBPE:
     pattern: str | None = None
     ignore_merges: bool | None = None
     extra_stop_ids: frozenset[int] = frozenset()
+    vocab_size: int = dataclasses.field(init=False)
     stop_ids: frozenset[int] = dataclasses.field(init=False)
     control_ids: frozenset[int] = dataclasses.field(init=False)
     _ids: dict[str, int] = dataclasses.field(init=False)
@@ -216,6 +147,7 @@ class ByteLevelBPE:
     _token_bytes: tuple[bytes, ...] = dataclasses.field(init=False)
     _specials: tuple[tuple[str, int, bool], ...] = dataclasses.field(init=False)
     _cache: dict[str, tuple[int, ...]] = dataclasses.field(init=False)
+    drops_unknown_bytes: ClassVar[bool] = True
 
     def __post_init__(self):
         what = f"tokenizer {self.source}"
@@ -264,7 +196,7 @@ class ByteLevelBPE:
             elif kind == BYTE and _BYTE_TOKEN.fullmatch(token):
                 token_bytes.append(bytes((int(token[3:5], 16),)))
             else:
-                token_bytes.append(_byte_level_decode(token))
+                token_bytes.append(byte_level_decode(token))
                 if kind not in (NORMAL, BYTE):
                     hidden.add(i)  # unused or undefined: llama.cpp prints nothing
 
@@ -273,6 +205,7 @@ class ByteLevelBPE:
 
         set_ = object.__setattr__
         set_(self, "tokens", tokens)
+        set_(self, "vocab_size", n)
         set_(self, "token_types", types)
         set_(self, "merges", merges)
         set_(self, "add_bos", bool(self.add_bos))
@@ -281,13 +214,13 @@ class ByteLevelBPE:
         set_(self, "_ids", ids)
         set_(self, "_ranks", ranks)
         patterns = pre.patterns if self.pattern is None else (self.pattern,)
-        set_(self, "_patterns", _compile(tuple(patterns)))
+        set_(self, "_patterns", compile_patterns(tuple(patterns)))
         set_(
             self, "_ignore_merges",
             pre.ignore_merges if self.ignore_merges is None else bool(self.ignore_merges),
         )
         set_(self, "_token_bytes", tuple(token_bytes))
-        set_(self, "_specials", tuple(sorted(specials, key=lambda s: (-len(s[0]), s[1]))))
+        set_(self, "_specials", special_order(specials))
         set_(self, "_cache", {})
 
     def __repr__(self) -> str:
@@ -296,75 +229,26 @@ class ByteLevelBPE:
             f"pre={self.pre!r}, source={self.source!r})"
         )
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids (int)."""
-        return len(self.tokens)
-
     # ------------------------------------------------------------------ encoding
 
-    def encode(
-        self,
-        text: str | bytes,
-        bos: bool | None = None,
-        eos: bool = False,
-        parse_special: bool = False,
-    ) -> list[int]:
-        """Token ids of `text`, as llama.cpp's `llama_tokenize` for a BPE vocabulary.
+    def encode(self, text: str | bytes, bos: bool | None = None, eos: bool = False,
+               parse_special: bool = False) -> list[int]:
+        """Token ids of `text` (`base.Tokenizer.encode`), as llama.cpp's `llama_tokenize` for a
+        BPE vocabulary. Bytes are decoded as UTF-8 with "surrogateescape" (undecodable bytes
+        go through as those raw bytes); a byte the vocabulary has no token for is left out,
+        as llama.cpp and Hugging Face's `tokenizers` do (`drops_unknown_bytes`)."""
+        segments = [(text_of(text, "surrogateescape"), parse_special)]
+        return self.encode_segments(segments, bos=bos, eos=eos)
 
-        Args:
-          text: str, or bytes (decoded as UTF-8 with "surrogateescape": undecodable bytes go
-            through as those raw bytes).
-          bos: prepend `bos_id`; None means `add_bos`.
-          eos: append `eos_id`.
-          parse_special: match control and unknown tokens' texts in `text` as those tokens
-            (user-defined tokens are always matched).
-
-        Returns:
-          list of int token ids in [0, vocab_size).
-
-        A byte the vocabulary has no token for is left out, as llama.cpp and Hugging Face's
-        `tokenizers` do.
-
-        Raises:
-          TypeError: text neither str nor bytes.
-        """
-        if isinstance(text, (bytes, bytearray, memoryview)):
-            text = bytes(text).decode("utf-8", "surrogateescape")
-        elif not isinstance(text, str):
-            raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
-        return self.encode_segments([(text, parse_special)], bos=bos, eos=eos)
-
-    def encode_segments(
-        self, segments: Sequence[tuple[str, bool]], bos: bool | None = None, eos: bool = False
-    ) -> list[int]:
-        """Token ids of the concatenated text of `segments`, with control tokens parsed only
-        inside flagged segments.
-
-        The text is first cut at the special-token matches (`split_special_tokens`: a control
-        token only where it lies wholly in segments flagged True); each text run between them
-        is then encoded whole, so the result does not depend on where the segments are cut.
-
-        Args:
-          segments: sequence of (str, may_parse_special) pairs.
-          bos: prepend `bos_id`; None means `add_bos`.
-          eos: append `eos_id`.
-
-        Returns:
-          list of int token ids.
-
-        Raises:
-          as `encode`.
-        """
-        out = [self.bos_id] if (self.add_bos if bos is None else bos) else []
-        for part in split_special_tokens(segments, self._specials):
-            if isinstance(part, int):
-                out.append(part)
-            else:
-                out.extend(self._encode_text(part))
-        if eos:
-            out.append(self.eos_id)
-        return out
+    def encode_segments(self, segments: Segments, bos: bool | None = None,
+                        eos: bool = False) -> list[int]:
+        """`base.Tokenizer.encode_segments`: each run between special tokens pre-tokenized and
+        merged on its own."""
+        return encode_around_specials(
+            segments, self._specials, self._encode_text,
+            self.bos_id if (self.add_bos if bos is None else bos) else None,
+            self.eos_id if eos else None,
+        )
 
     def _encode_text(self, text: str) -> list[int]:
         out: list[int] = []
@@ -381,15 +265,14 @@ class ByteLevelBPE:
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
         """BPE of one pre-token: byte-level characters merged by rank, then looked up."""
-        mapped = word.encode("utf-8", "surrogateescape").decode("latin-1")
-        mapped = mapped.translate(_LATIN1_TO_GPT2)
+        mapped = byte_level_encode(word.encode("utf-8", "surrogateescape"))
         ids = self._ids
         if self._ignore_merges and mapped in ids:
             return (ids[mapped],)
         symbols: list[str | None] = list(mapped)
         n = len(symbols)
         if n > 1:
-            self._merge(symbols)
+            merge_by_rank(symbols, self._ranks)
         out = []
         for symbol in symbols:
             if symbol is None:
@@ -406,49 +289,6 @@ class ByteLevelBPE:
                     out.append(token)
         return tuple(out)
 
-    def _merge(self, symbols: list[str | None]) -> None:
-        """Merge `symbols` in place (merged-away entries become None).
-
-        Nodes are the positions of the initial characters; `after`/`before` link the live
-        ones. The heap holds (rank, left node) for every adjacent pair that has a merge, plus
-        stale entries; an entry is live iff its left node and that node's successor still form
-        a pair of that rank (a rank belongs to one pair). Popping the smallest (rank, node)
-        merges the lowest-rank pair, leftmost on ties, as llama.cpp's `llm_bigram_bpe` queue.
-        """
-        ranks = self._ranks
-        n = len(symbols)
-        after = list(range(1, n + 1))
-        after[-1] = -1
-        before = list(range(-1, n - 1))
-        heap = []
-        for i in range(n - 1):
-            rank = ranks.get((symbols[i], symbols[i + 1]))
-            if rank is not None:
-                heap.append((rank, i))
-        heapq.heapify(heap)
-        push, pop = heapq.heappush, heapq.heappop
-        while heap:
-            rank, i = pop(heap)
-            left = symbols[i]
-            j = after[i]
-            if left is None or j < 0 or ranks.get((left, symbols[j])) != rank:
-                continue
-            merged = left + symbols[j]
-            symbols[i] = merged
-            symbols[j] = None
-            k = after[j]
-            after[i] = k
-            if k >= 0:
-                before[k] = i
-                r = ranks.get((merged, symbols[k]))
-                if r is not None:
-                    push(heap, (r, i))
-            h = before[i]
-            if h >= 0:
-                r = ranks.get((symbols[h], merged))
-                if r is not None:
-                    push(heap, (r, h))
-
     # ------------------------------------------------------------------ decoding
 
     def token_bytes(self, token: int) -> bytes:
@@ -462,98 +302,19 @@ class ByteLevelBPE:
         Raises:
           IndexError: `token` out of range.
         """
-        token = operator.index(token)
-        if not 0 <= token < len(self._token_bytes):
-            raise IndexError(f"token id {token} out of range [0, {len(self._token_bytes)})")
-        return self._token_bytes[token]
+        return self._token_bytes[check_token(token, len(self._token_bytes))]
 
-    def stream_decoder(self, special: bool = False) -> ByteStreamDecoder:
-        """A new `ByteStreamDecoder` (`special`: print control tokens too)."""
-        return ByteStreamDecoder(self, special=special)
-
-    def decode(self, ids: Sequence[int], prev: int = -1, *, special: bool = False) -> str:
-        """Text of an id sequence: the tokens' bytes decoded as UTF-8 (errors="replace").
-
-        Args:
-          ids: sequence of int token ids.
-          prev: accepted for the common tokenizer protocol; byte-level BPE needs no previous
-            token.
-          special: print control/unknown/unused tokens' texts; otherwise they print nothing.
-
-        Returns:
-          str. decode(encode(text)) == text for any text (parse_special=False).
-
-        Raises:
-          IndexError: an id out of range.
-        """
-        del prev
-        stream = ByteStreamDecoder(self, special=special)
-        return "".join([stream.push(-1, t) for t in ids] + [stream.flush()])
-
-    def piece(self, token: int) -> str:
-        """Display form of one token (for `jllama tokenize --pieces`): its bytes as
-        `token_bytes` gives them, decoded as UTF-8, with bytes of partial characters shown as
-        "<0xNN>" (e.g. the first byte of an emoji: "<0xF0>").
+    def printed_bytes(self, prev: int, token: int, *, special: bool = False) -> bytes:
+        """The bytes `token` prints (byte-level BPE needs no previous token: `prev` is unused):
+        `token_bytes(token)`, or b"" for a control/unknown/unused token unless `special`
+        (llama.cpp's `token_to_piece`).
 
         Raises:
           IndexError: `token` out of range.
         """
-        return bytes_for_display(self.token_bytes(token))
+        data = self.token_bytes(token)
+        return b"" if not special and token in self.control_ids else data
 
 
-class ByteStreamDecoder:
-    """Incremental detokenizer for `ByteLevelBPE`: ids in, complete characters out.
-
-    The bytes of each token go through an incremental UTF-8 decoder (errors="replace"), so a
-    character split over several tokens comes out once, whole, with its last byte.
-
-    Usage:
-      stream = tokenizer.stream_decoder()
-      for prev, token in ...: print(stream.push(prev, token), end="", flush=True)
-      print(stream.flush())
-    """
-
-    def __init__(self, tokenizer: ByteLevelBPE, special: bool = False):
-        """Args: tokenizer: the vocabulary; special: print control tokens' texts too."""
-        self._tokenizer = tokenizer
-        self._special = special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, prev_token: int, token: int) -> str:
-        """Feed one token; return the text it completes (may be "").
-
-        Args:
-          prev_token: unused (the common protocol passes it).
-          token: int id in [0, vocab_size).
-
-        Raises:
-          IndexError: `token` out of range.
-        """
-        data = self._tokenizer.token_bytes(token)
-        if not self._special and token in self._tokenizer.control_ids:
-            return ""
-        return self._utf8.decode(data)
-
-    def flush(self) -> str:
-        """End of stream: an unfinished UTF-8 sequence comes out as U+FFFD; then resets."""
-        text = self._utf8.decode(b"", final=True)
-        self._utf8.reset()
-        return text
-
-
-_GPT2_TO_LATIN1 = {ord(c): chr(b) for c, b in UNICODE_TO_BYTE.items()}
-# Characters outside GPT-2's table stand for their own UTF-8 bytes; below U+0100 those bytes
-# are written as Latin-1 characters here, so one translate + encode("latin-1") decodes a token.
-_GPT2_TO_LATIN1.update({
-    c: chr(c).encode("utf-8").decode("latin-1") for c in range(256) if c not in _GPT2_TO_LATIN1
-})
-
-
-def _byte_level_decode(token: str) -> bytes:
-    try:
-        return token.translate(_GPT2_TO_LATIN1).encode("latin-1")
-    except UnicodeEncodeError:  # a character beyond U+00FF that is not in the table
-        return b"".join(
-            bytes((UNICODE_TO_BYTE[c],)) if c in UNICODE_TO_BYTE else c.encode("utf-8", "replace")
-            for c in token
-        )
+ByteStreamDecoder = StreamDecoder
+"""The old name of `ByteLevelBPE`'s stream decoder: `jllama.tokenizers.base.StreamDecoder`."""

@@ -36,13 +36,10 @@ from jllama.tokenizers.bpe import (
     USER_DEFINED,
     ByteLevelBPE,
 )
-from jllama.tokenizers.llama2c import Tokenizer
+from jllama.tokenizers.spm import NO_MERGE_SCORE, SPACE_MARK, Tokenizer
 
 _PREFIX = "tokenizer.ggml."
-_NO_MERGE_SCORE = -1e10
-"""A score no merge can have (run.c merges only pieces scoring above -1e10)."""
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-_SPACE_MARK = "\u2581"  # SentencePiece's "▁", which stands for a space in token texts
 
 # llama.cpp's default special ids when the GGUF has none (src/llama-vocab.cpp).
 _DEFAULT_IDS = {"llama": (1, 2), "gpt2": (11, 11)}
@@ -57,7 +54,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, object], source: str) -> Tokenize
       source: the file's path, for error messages.
 
     Returns:
-      for "llama", a llama2c `Tokenizer`: pieces are the token texts with "▁" replaced by a
+      for "llama", an `spm.Tokenizer`: pieces are the token texts with "▁" replaced by a
       space (byte tokens "<0xNN>" as they are), control/unknown/unused/byte tokens scored so
       they never come out of a merge, control/unknown/user-defined tokens parsable as special
       tokens, bos/eos/add_bos/add_space_prefix from the metadata, and "▁" in the text read as
@@ -119,8 +116,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, object], source: str) -> Tokenize
         if kind == BYTE and _BYTE_TOKEN.fullmatch(text):
             pieces.append(text.encode("ascii"))  # decoded to its byte by decode_piece
         else:
-            pieces.append(text.replace(_SPACE_MARK, " ").encode("utf-8", "surrogateescape"))
-        merge_scores.append(float(score) if kind in (NORMAL, USER_DEFINED) else _NO_MERGE_SCORE)
+            pieces.append(text.replace(SPACE_MARK, " ").encode("utf-8", "surrogateescape"))
+        merge_scores.append(float(score) if kind in (NORMAL, USER_DEFINED) else NO_MERGE_SCORE)
         if kind in (CONTROL, UNKNOWN, USER_DEFINED):
             specials.append((text, i, kind == USER_DEFINED))
         if kind not in (NORMAL, USER_DEFINED, BYTE):

@@ -23,17 +23,22 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import tiktoken
 
 from jllama.errors import TokenizerError
 from jllama.files import require_regular_file
-from jllama.tokenizers.bpe import ByteStreamDecoder
-from jllama.tokenizers.llama2c import bytes_for_display, split_special_tokens
+from jllama.tokenizers.base import (
+    DecodesPrintedBytes,
+    Segments,
+    check_token,
+    text_of,
+)
+from jllama.tokenizers.specials import encode_around_specials, special_order
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -78,8 +83,9 @@ LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class TiktokenTokenizer:
-    """A tiktoken BPE vocabulary with special tokens, in jllama's tokenizer protocol.
+class TiktokenTokenizer(DecodesPrintedBytes):
+    """A tiktoken BPE vocabulary with special tokens; implements
+    `jllama.tokenizers.base.Tokenizer`.
 
     Attributes:
       encoding: the `tiktoken.Encoding` doing the BPE; its special tokens must be
@@ -90,9 +96,13 @@ class TiktokenTokenizer:
       add_bos: whether `encode` prepends BOS when its `bos` is None (Llama 3: True).
       source: the file read, for messages.
 
-    Derived at construction: `bos_id` (`<|begin_of_text|>`), `eos_id` (`<|end_of_text|>`),
+    Derived at construction: `vocab_size` (the base vocabulary plus the special tokens),
+    `bos_id` (`<|begin_of_text|>`), `eos_id` (`<|end_of_text|>`),
     `stop_ids` (the ids of `LLAMA3_STOP_TOKENS` present) and `control_ids` (every special
     token: they print nothing unless decoded with special=True).
+
+    Class attribute: drops_unknown_bytes = False (tiktoken has a token for each of the 256
+    bytes; bytes that are not UTF-8 become U+FFFD before encoding).
 
     Equality is identity.
 
@@ -105,12 +115,14 @@ class TiktokenTokenizer:
     special_tokens: tuple[str, ...] = LLAMA3_SPECIAL_TOKENS
     add_bos: bool = True
     source: str = "<memory>"
+    vocab_size: int = dataclasses.field(init=False)
     bos_id: int = dataclasses.field(init=False)
     eos_id: int = dataclasses.field(init=False)
     stop_ids: frozenset[int] = dataclasses.field(init=False)
     control_ids: frozenset[int] = dataclasses.field(init=False)
     _token_bytes: tuple[bytes, ...] = dataclasses.field(init=False)
     _specials: tuple[tuple[str, int, bool], ...] = dataclasses.field(init=False)
+    drops_unknown_bytes: ClassVar[bool] = False
 
     def __post_init__(self):
         what = f"tokenizer {self.source}"
@@ -147,72 +159,32 @@ class TiktokenTokenizer:
         set_(self, "eos_id", ids["<|end_of_text|>"])
         set_(self, "stop_ids", frozenset(ids[t] for t in LLAMA3_STOP_TOKENS if t in ids))
         set_(self, "control_ids", frozenset(ids.values()))
+        set_(self, "vocab_size", len(table))
         set_(self, "_token_bytes", tuple(table))
-        set_(self, "_specials", tuple(sorted(specials, key=lambda s: (-len(s[0]), s[1]))))
+        set_(self, "_specials", special_order(specials))
 
     def __repr__(self) -> str:
         return f"TiktokenTokenizer(vocab_size={self.vocab_size}, source={self.source!r})"
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids (int): base vocabulary plus special tokens."""
-        return len(self._token_bytes)
-
     # ------------------------------------------------------------------ encoding
 
-    def encode(
-        self,
-        text: str | bytes,
-        bos: bool | None = None,
-        eos: bool = False,
-        parse_special: bool = False,
-    ) -> list[int]:
-        """Token ids of `text`.
+    def encode(self, text: str | bytes, bos: bool | None = None, eos: bool = False,
+               parse_special: bool = False) -> list[int]:
+        """Token ids of `text` (`base.Tokenizer.encode`): bytes are decoded as UTF-8 with an
+        invalid sequence as U+FFFD (which tiktoken would also make of it); special-token
+        texts (e.g. "<|eot_id|>") are those tokens only with `parse_special`."""
+        segments = [(text_of(text, "replace"), parse_special)]
+        return self.encode_segments(segments, bos=bos, eos=eos)
 
-        Args:
-          text: str, or bytes decoded as UTF-8 (an invalid sequence becomes U+FFFD, which
-            tiktoken would also make of it).
-          bos: prepend `bos_id`; None means `add_bos`.
-          eos: append `eos_id`.
-          parse_special: match special-token texts (e.g. "<|eot_id|>") as those tokens;
-            otherwise they are ordinary text.
-
-        Returns:
-          list of int ids in [0, vocab_size).
-
-        Raises:
-          TypeError: text neither str nor bytes.
-        """
-        if isinstance(text, (bytes, bytearray, memoryview)):
-            text = bytes(text).decode("utf-8", "replace")
-        elif not isinstance(text, str):
-            raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
-        return self.encode_segments([(text, parse_special)], bos=bos, eos=eos)
-
-    def encode_segments(
-        self, segments: Sequence[tuple[str, bool]], bos: bool | None = None, eos: bool = False
-    ) -> list[int]:
-        """Token ids of the concatenated text of `segments`, special tokens parsed only where
-        they lie wholly inside segments flagged True (`split_special_tokens`); the text between
-        special tokens is encoded whole, wherever the segments are cut.
-
-        Args:
-          segments: sequence of (str, may_parse_special) pairs.
-          bos: prepend `bos_id`; None means `add_bos`.
-          eos: append `eos_id`.
-
-        Returns:
-          list of int ids.
-        """
-        out = [self.bos_id] if (self.add_bos if bos is None else bos) else []
-        for part in split_special_tokens(segments, self._specials):
-            if isinstance(part, int):
-                out.append(part)
-            else:
-                out.extend(self.encoding.encode_ordinary(part))
-        if eos:
-            out.append(self.eos_id)
-        return out
+    def encode_segments(self, segments: Segments, bos: bool | None = None,
+                        eos: bool = False) -> list[int]:
+        """`base.Tokenizer.encode_segments`: each run between special tokens through
+        tiktoken's `encode_ordinary`."""
+        return encode_around_specials(
+            segments, self._specials, self.encoding.encode_ordinary,
+            self.bos_id if (self.add_bos if bos is None else bos) else None,
+            self.eos_id if eos else None,
+        )
 
     # ------------------------------------------------------------------ decoding
 
@@ -222,41 +194,17 @@ class TiktokenTokenizer:
         Raises:
           IndexError: `token` out of range.
         """
-        token = operator.index(token)
-        if not 0 <= token < len(self._token_bytes):
-            raise IndexError(f"token id {token} out of range [0, {len(self._token_bytes)})")
-        return self._token_bytes[token]
+        return self._token_bytes[check_token(token, len(self._token_bytes))]
 
-    def stream_decoder(self, special: bool = False) -> ByteStreamDecoder:
-        """A new incremental decoder (`special`: print special tokens' texts too)."""
-        return ByteStreamDecoder(self, special=special)
-
-    def decode(self, ids: Sequence[int], prev: int = -1, *, special: bool = False) -> str:
-        """Text of an id sequence: the tokens' bytes decoded as UTF-8 (errors="replace").
-
-        Args:
-          ids: sequence of int ids.
-          prev: accepted for the common protocol; unused.
-          special: print special tokens' texts; otherwise they print nothing.
-
-        Returns:
-          str; decode(encode(text)) == text for any str without lone surrogates.
-
-        Raises:
-          IndexError: an id out of range.
-        """
-        del prev
-        stream = ByteStreamDecoder(self, special=special)
-        return "".join([stream.push(-1, t) for t in ids] + [stream.flush()])
-
-    def piece(self, token: int) -> str:
-        """Display form of one token: its bytes as UTF-8, bytes of a partial character shown
-        as "<0xNN>".
+    def printed_bytes(self, prev: int, token: int, *, special: bool = False) -> bytes:
+        """The bytes `token` prints (`prev` is unused): `token_bytes(token)`, or b"" for a
+        special token unless `special`.
 
         Raises:
           IndexError: `token` out of range.
         """
-        return bytes_for_display(self.token_bytes(token))
+        data = self.token_bytes(token)
+        return b"" if not special and token in self.control_ids else data
 
 
 def parse_tiktoken_bpe(data: bytes, source: str) -> dict[bytes, int]:
