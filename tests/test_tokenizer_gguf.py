@@ -199,6 +199,38 @@ def test_decode_and_pieces(tok, sp):
     assert [stream.push(p, t) for p, t in zip([BOS] + llama, llama)] == ["", "", "", "🦙"]
 
 
+_DROPPED = {chr(c) for c in [*range(0x20), 0x7F]} - set("\t\n\v\f\r")
+"""Single non-whitespace ASCII control bytes, which jllama drops as llama2.c's safe_printf."""
+
+
+@pytest.mark.parametrize("text", SPM_STRINGS, ids=repr)
+def test_decode_without_bos_is_sentencepieces_text(tok, sp, text):
+    # sentencepiece drops the dummy-prefix space of the text's first piece, BOS or not.
+    ids = sp.encode(text)
+    assert tok.encode(text, bos=False) == ids
+    want = "".join(c for c in sp.decode(ids) if c not in _DROPPED)
+    assert tok.decode(ids) == want
+    assert tok.decode([BOS, *ids]) == want  # run.c's rule after BOS, unchanged
+    stream = tok.stream_decoder()
+    streamed = [stream.push(p, t) for p, t in zip([-1, *ids], ids)] + [stream.flush()]
+    assert "".join(streamed) == want
+
+
+def test_a_continuation_keeps_its_space(tok, sp):
+    ids = sp.encode("Hello world")
+    assert sp.decode(ids) == "Hello world" and len(ids) == 2
+    # The piece after the prompt's last token prints as it does inside the whole text.
+    assert tok.decode(ids[1:], prev=ids[0]) == " world"
+    assert tok.decode(ids[:1]) + tok.decode(ids[1:], prev=ids[0]) == sp.decode(ids)
+
+
+@_HYPOTHESIS
+@given(text=TEXTS)
+def test_decode_random_text_without_bos_matches_sentencepiece(tok, sp, text):
+    ids = sp.encode(text)
+    assert tok.decode(ids) == "".join(c for c in sp.decode(ids) if c not in _DROPPED)
+
+
 def test_gguf_file_on_disk_matches_metadata_dict(tok, gguf_file, sp):
     # The round trip through the file keeps every piece and score.
     assert tok.source == str(gguf_file)

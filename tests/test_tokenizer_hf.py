@@ -542,6 +542,15 @@ def llama2_ours(llama2) -> Tokenizer:
     return read_hf_tokenizer(llama2[0])
 
 
+@pytest.mark.parametrize("text", [s for s in LLAMA2_STRINGS if "<s>" not in s and "</s>" not in s])
+def test_llama2_decode_without_bos_matches_tokenizers(llama2, llama2_ours, text):
+    # tokenizers' Strip decoder drops the leading space of the text, with BOS or without.
+    hf = llama2[3]
+    ids = hf.encode(text, add_special_tokens=False).ids
+    assert llama2_ours.encode(text, bos=False) == ids
+    assert llama2_ours.decode(ids) == hf.decode(ids) == text.replace("▁", " ")
+
+
 @PROPERTY
 @given(text=TEXTS)
 def test_llama2_random_text(llama2, llama2_ours, text):

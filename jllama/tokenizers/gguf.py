@@ -57,9 +57,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, object], source: str) -> Tokenize
       for "llama", an `spm.Tokenizer`: pieces are the token texts with "▁" replaced by a
       space (byte tokens "<0xNN>" as they are), control/unknown/unused/byte tokens scored so
       they never come out of a merge, control/unknown/user-defined tokens parsable as special
-      tokens, bos/eos/add_bos/add_space_prefix from the metadata, and "▁" in the text read as
-      a space (as llama.cpp and SentencePiece read it). For "gpt2", a
-      `ByteLevelBPE`. Both have `stop_ids` = EOS, EOT/EOM when given, and the tokens whose
+      tokens, bos/eos/add_bos/add_space_prefix from the metadata, "▁" in the text read as a
+      space (as llama.cpp and SentencePiece read it), and the first piece's dummy-prefix
+      space dropped in decoding (`strip_text_start`, as llama.cpp's llama_detokenize). For
+      "gpt2", a `ByteLevelBPE`. Both have `stop_ids` = EOS, EOT/EOM when given, and the tokens whose
       text is in `END_OF_GENERATION_TEXTS`.
 
     Raises:
@@ -140,6 +141,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, object], source: str) -> Tokenize
         special_tokens=tuple(specials),
         stop_ids=frozenset(stop),
         space_mark_is_space=True,
+        strip_text_start=True,  # as llama.cpp's llama_detokenize
     )
 
 

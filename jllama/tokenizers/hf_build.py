@@ -233,6 +233,7 @@ def sentencepiece_tokenizer(p: Parsed) -> Tokenizer:
         special_tokens=tuple((t.text, t.id, not t.special) for t in p.specials),
         stop_ids=p.stop_ids,
         space_mark_is_space=True,
+        strip_text_start=True,  # as the Strip decoder of SentencePiece-style tokenizer.json
     )
 
 
