@@ -164,8 +164,8 @@ class ByteLevelBPE(DecodesPrintedBytes):
                 f"{what}: unknown pre-tokenizer tokenizer.ggml.pre={self.pre!r} "
                 f"(known: {', '.join(sorted(PRE_TOKENIZERS))})"
             )
-        for name in ("bos_id", "eos_id", "eot_id", "eom_id"):
-            value = getattr(self, name)
+        for name, value in [("bos_id", self.bos_id), ("eos_id", self.eos_id),
+                            ("eot_id", self.eot_id), ("eom_id", self.eom_id)]:
             if value is None and name in ("eot_id", "eom_id"):
                 continue
             value = operator.index(value)
