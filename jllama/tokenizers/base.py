@@ -1,8 +1,8 @@
 """The tokenizer protocol, and the pieces of encoding and decoding every tokenizer shares.
 
 `Tokenizer` is what callers (the CLI, the session, chat, the server) may use of a tokenizer;
-`jllama.tokenizers.llama2c.Tokenizer` (SentencePiece-style BPE: llama2.c files, GGUF "llama"
-and SentencePiece-style tokenizer.json vocabularies), `jllama.tokenizers.bpe.ByteLevelBPE`
+`jllama.tokenizers.spm.Tokenizer` (SentencePiece-style BPE, also importable from `llama2c`:
+llama2.c files, GGUF "llama" and SentencePiece-style tokenizer.json vocabularies), `jllama.tokenizers.bpe.ByteLevelBPE`
 (GPT-2 style byte-level BPE) and `jllama.tokenizers.tiktoken_model.TiktokenTokenizer` (Meta's
 Llama 3 tokenizer.model) implement it. The helpers below are the decoding parts they share:
 the incremental UTF-8 decoder behind `stream_decoder` and `decode` (`StreamDecoder`,
