@@ -204,7 +204,9 @@ def time_decode(backend, tokens: int) -> tuple[float, int]:
 
     steps = min(1 + tokens, backend.config.seq_len)  # BOS's position, then one per token
     decode_loop = None
-    if getattr(backend, "decode", None) == "loop":  # tokens sampled on the device, in chunks
+    from jllama.backends.base import DeviceLoop
+
+    if isinstance(backend, DeviceLoop) and backend.decode == "loop":  # sampled on the device
         from jllama.device_loop import loop_decoder
         from jllama.sampling import Sampler
 

@@ -7,6 +7,8 @@ The pieces, each usable on its own (see README.md):
   Tokenizer, read_tokenizer            jllama.tokenizers.llama2c (tokenizer.bin, run.c's BPE)
   Sampler                              jllama.sampling (argmax, multinomial, top-p; run.c's rng)
   Backend, make_backend                jllama.backends ("numpy" reference, "jax" compiled)
+  Session                              jllama.session (a prepared model + backend: generations,
+                                       completions, chat; what the CLI and server drive)
   Generation                           jllama.generate (the generation loop)
   load_model, open_model               jllama.loading (any checkpoint + tokenizer, embedded default)
   Conversation                         jllama.conversation (multi-turn chat over one KV cache)
@@ -37,6 +39,7 @@ _EXPORTS = {
     "ChatTemplate": "jllama.chat",
     "load_model": "jllama.loading",
     "Sampler": "jllama.sampling",
+    "Session": "jllama.session",
     "Tokenizer": "jllama.tokenizers.llama2c",
     "read_tokenizer": "jllama.tokenizers.llama2c",
     "TransformerWeights": "jllama.weights",

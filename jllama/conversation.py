@@ -1,4 +1,4 @@
-"""A multi-turn chat over one KV cache: the chat template, the tokenizer and the generation loop.
+"""A multi-turn chat over one KV cache: the chat template, the tokenizer and a `Session`.
 
 Each turn renders the whole conversation with the model's chat template (as Hugging Face's
 `apply_chat_template(..., add_generation_prompt=True)`), encodes it with special tokens parsed
@@ -11,15 +11,10 @@ e.g. `<|im_end|>`), a length limit, or the end of the context.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-
-import numpy as np
+from collections.abc import Iterator, Sequence
 
 from jllama.errors import JllamaError
 from jllama.generate import Generation, Token
-
-Forward = Callable[[int, int], np.ndarray]
-Sample = Callable[[np.ndarray], int]
 
 
 class ContextFullError(JllamaError):
@@ -59,41 +54,37 @@ class TurnStats:
 
 
 class Conversation:
-    """A chat whose turns share one KV cache.
+    """A chat whose turns share one KV cache: a `jllama.session.Session`'s (positions are reused
+    from 0; the session's other generations would overwrite them).
 
     Args:
-      forward: the model step, `forward(token, pos) -> logits f32[vocab_size]`; its KV cache
-        belongs to this conversation (positions are reused from 0).
-      tokenizer: with `encode_segments`, `decode`, `stop_ids`.
-      template: a `jllama.chat.ChatTemplate`.
-      seq_len: the context the KV cache holds, tokens.
+      session: the `Session` whose model and backend the turns run on; its decode and prefill
+        plan applies to every reply.
+      template: a `jllama.chat.ChatTemplate`; None: the model's own, with the tokenizer's BOS
+        and EOS text (`ChatTemplate.for_tokenizer`).
       system_prompt: the first message's content, role "system" (None: the template's default).
-      prefill: optional batched `prefill(tokens, start_pos) -> logits` (a backend's), used for
-        each turn's new tokens.
-      decode_loop: optional on-device decode loop for each reply (`Generation`'s argument; it
-        must sample as the `sample` given to `say`, e.g. `jllama.device_loop.loop_decoder`).
-      compile_for: optional `compile_for(prompt_len, last, start=...)`, called before each
-        turn with the turn's new tokens, its last position and its first new position (e.g.
-        `JaxGraphBackend.compile_for` with the loop's `kind`): the programs the turn needs
-        compile before it starts, not in the middle of the reply. It must leave positions <
-        start as they are.
 
     Attributes:
       messages: the conversation so far, as {"role", "content"} dicts.
       cached_ids: the tokens whose keys and values fill positions 0 .. len-1 of the KV cache.
       last: `TurnStats` of the last turn, or None.
+
+    Raises:
+      ChatError: no template given and the model has none, or it does not compile (the message
+        names the model's file).
     """
 
-    def __init__(self, forward: Forward, tokenizer, template, seq_len: int,
-                 system_prompt: str | None = None, prefill=None, decode_loop=None,
-                 compile_for=None):
-        self._forward = forward
-        self._prefill = prefill
-        self._decode_loop = decode_loop
-        self._compile_for = compile_for
-        self.tokenizer = tokenizer
+    def __init__(self, session, template=None, system_prompt: str | None = None):
+        self.session = session
+        self.tokenizer = session.tokenizer
+        if template is None:
+            from jllama.chat import ChatTemplate  # jinja2: imported only for a chat
+
+            model = session.model
+            template = ChatTemplate.for_tokenizer(model.chat_template, self.tokenizer,
+                                                  source=model.source)
         self.template = template
-        self.seq_len = seq_len
+        self.seq_len = session.config.seq_len
         self.messages: list[dict[str, str]] = []
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
@@ -109,12 +100,12 @@ class Conversation:
         )
         return self.tokenizer.encode_segments(segments, bos=False)
 
-    def say(self, text: str, sample: Sample, max_tokens: int = 0) -> Iterator[Token]:
+    def say(self, text: str, sample, max_tokens: int = 0) -> Iterator[Token]:
         """Add a user message and generate the assistant's reply, token by token.
 
         Args:
           text: the user's message.
-          sample: `sample(logits) -> token id`.
+          sample: a `jllama.sampling.Sampler` (or what `Session.generate` takes).
           max_tokens: the most tokens the reply may have; < 1 = until the context is full.
 
         Yields:
@@ -140,13 +131,8 @@ class Conversation:
         room = self.seq_len - reused
         fed = len(ids) - reused
         steps = room if max_tokens < 1 else min(room, fed + max_tokens - 1)
-        if self._compile_for is not None:
-            self._compile_for(fed, reused + steps - 1, start=reused)
-        generation = Generation(
-            self._forward, ids[reused:], sample, steps,
-            stop_ids=tuple(self.tokenizer.stop_ids), start_pos=reused, prefill=self._prefill,
-            decode_loop=self._decode_loop, context_ids=ids[:reused],
-        )
+        generation = self.session.generate(ids[reused:], sample, steps, start_pos=reused,
+                                           context_ids=ids[:reused])
         self.messages = messages
         self.cached_ids = ids[:reused]
         stopped = False

@@ -1,5 +1,6 @@
-"""Binding a host `Sampler` to a backend's on-device decode loop (the jax backend's `loop`
-decode mode), for `Generation(decode_loop=...)`.
+"""The decode-mode policy (`decode_mode`: which of graph / fused / loop a generation runs in),
+and binding a host `Sampler` to a backend's on-device decode loop (the `loop` decode mode), for
+`Generation(decode_loop=...)`.
 
 The device samples with the same rule as the host sampler (`jllama.graphs.sample_on_device`)
 and the same random draws: the coins come from the sampler's own xorshift generator, one per
@@ -9,13 +10,71 @@ so a conversation that goes on with the host sampler continues the same random s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jllama.backends.jax_graph import LOOP_CHUNK
+from jllama.backends.base import DeviceLoop
 from jllama.errors import SamplerError
-from jllama.sampling import Sampler, XorShiftRng
+from jllama.sampling import Sampler, SamplerConfig, XorShiftRng
+
+DECODE_MODES = ("auto", "graph", "fused", "loop")
+"""What a `Session` takes as its decode mode: the jax backend's three (`graph`, `fused`,
+`loop`) and `auto`, resolved per generation by `decode_mode`."""
+
+
+def runc_settings_only(config: SamplerConfig) -> bool:
+    """True when `config` sets nothing beyond temperature, top_p and seed away from their
+    neutral values: run.c's sampler, the one the device loop implements."""
+    for field in dataclasses.fields(config):
+        if field.name not in ("temperature", "top_p", "seed"):
+            if getattr(config, field.name) != field.default:
+                return False
+    return True
+
+
+def decode_mode(requested: str, backend, sampling: SamplerConfig | None, padded: bool,
+                host_logits: bool = False) -> str:
+    """The decode mode a generation runs in: `requested` with "auto" resolved.
+
+    auto is "loop" where the device loop can sample this generation (a backend with
+    `DeviceLoop`, run.c's sampler, a tokenizer covering every logit, no log-probs wanted:
+    loop is the fastest mode on CPU, bench/NOTES.md), else "graph". "loop" asked for where the
+    backend has no device loop, or the logits are wanted on the host, runs as "graph".
+
+    Args:
+      requested: one of `DECODE_MODES`.
+      backend: the prepared backend.
+      sampling: the generation's sampler settings; None: decided per request on the host
+        (the server), which never picks the device loop.
+      padded: the model has more logits than its tokenizer has tokens.
+      host_logits: each token's logits are read on the host (log-probs).
+
+    Raises:
+      SamplerError: "loop" asked for with settings the device loop cannot sample, or a padded
+        vocabulary it cannot skip.
+    """
+    if requested not in DECODE_MODES:
+        raise ValueError(f"decode={requested!r}; known: {', '.join(DECODE_MODES)}")
+    if requested in ("graph", "fused"):
+        return requested
+    usable = isinstance(backend, DeviceLoop) and sampling is not None and not host_logits
+    if requested == "auto":
+        return "loop" if usable and not padded and runc_settings_only(sampling) else "graph"
+    if not usable:
+        return "graph"
+    if padded:
+        raise SamplerError(
+            "decode=loop: the model has more logits than its tokenizer has tokens; the device "
+            "sampler cannot skip the padding: use decode=graph"
+        )
+    if not runc_settings_only(sampling):
+        raise SamplerError(
+            "the loop decode mode samples with temperature, top_p and seed only "
+            f"(run.c's sampler); got {Sampler.from_config(sampling)!r}"
+        )
+    return "loop"
 
 
 def sampling_kind(temperature: float, top_p: float) -> str:
@@ -28,44 +87,44 @@ def sampling_kind(temperature: float, top_p: float) -> str:
     return "topp"
 
 
-def loop_decoder(
-    backend, sampler: Sampler, stop_ids: Sequence[int]
-) -> Callable[[int, int, int], tuple[list[int], bool]]:
+class LoopDecoder:
     """`decode_loop(token, pos, n) -> (ids, finite)` for `Generation`: a chunk of tokens from
-    `backend.decode_loop`, sampled as `sampler` would sample them.
-
-    Call it before the backend's first sequence starts: it compiles the loop by running it
-    at position 0.
+    the backend's `decode_loop`, sampled as `sampler` would sample them.
 
     Args:
-      backend: a prepared backend with `decode_loop` (the jax backend).
+      backend: a prepared backend with `DeviceLoop` (the jax backend).
       sampler: a `jllama.sampling.Sampler` (run.c's temperature / top_p / seed); its `rng` is
         advanced by one draw per token sampled, as `Sampler.sample` would.
       stop_ids: tokens that end the generation.
+
+    Attributes:
+      kind: the device sampler, "greedy", "mult" or "topp" (`sampling_kind`).
 
     Raises:
       SamplerError: a sampler with settings the device loop does not implement (anything
         beyond run.c's temperature, top_p and seed).
     """
-    if type(sampler) is not Sampler or not _runc_settings_only(sampler):
-        raise SamplerError(
-            "the loop decode mode samples with temperature, top_p and seed only "
-            f"(run.c's sampler); got {sampler!r}"
-        )
-    config = sampler.config
-    kind = sampling_kind(config.temperature, config.top_p)
-    stop = tuple(int(t) for t in stop_ids)
-    if hasattr(backend, "compile_loop"):
-        backend.compile_loop(kind)  # now, not inside the first reply's timing
 
-    def decode_loop(token: int, pos: int, n: int) -> tuple[list[int], bool]:
+    def __init__(self, backend: DeviceLoop, sampler: Sampler, stop_ids: Sequence[int]):
+        if type(sampler) is not Sampler or not runc_settings_only(sampler.config):
+            raise SamplerError(
+                "the loop decode mode samples with temperature, top_p and seed only "
+                f"(run.c's sampler); got {sampler!r}"
+            )
+        self._backend = backend
+        self._sampler = sampler
+        self._stop = tuple(int(t) for t in stop_ids)
+        self.kind = sampling_kind(sampler.config.temperature, sampler.config.top_p)
+
+    def __call__(self, token: int, pos: int, n: int) -> tuple[list[int], bool]:
+        sampler, config, kind = self._sampler, self._sampler.config, self.kind
         coins = None
         if kind != "greedy":
             start = sampler.rng.state
-            coins = [sampler.rng.random_f32() for _ in range(min(n, LOOP_CHUNK))]
-        ids, finite = backend.decode_loop(
+            coins = [sampler.rng.random_f32() for _ in range(min(n, self._backend.loop_chunk))]
+        ids, finite = self._backend.decode_loop(
             token, pos, n, kind=kind, temperature=config.temperature, top_p=config.top_p,
-            coins=coins, stop_ids=stop,
+            coins=coins, stop_ids=self._stop,
         )
         if kind != "greedy":
             # Rewind to one draw per token actually sampled.
@@ -75,19 +134,14 @@ def loop_decoder(
             sampler.rng = rng
         return ids, finite
 
-    decode_loop.kind = kind  # for `JaxGraphBackend.compile_for`
-    return decode_loop
 
+def loop_decoder(backend: DeviceLoop, sampler: Sampler, stop_ids: Sequence[int]) -> LoopDecoder:
+    """A `LoopDecoder` whose program is compiled: call it before the backend's first sequence
+    starts, since it compiles the loop by running it at position 0 (`DeviceLoop.compile_loop`).
 
-def _runc_settings_only(sampler: Sampler) -> bool:
-    """True when the sampler's config has no fields beyond temperature, top_p and seed set
-    away from their neutral values (other samplers may be added to `SamplerConfig`)."""
-    import dataclasses
-
-    defaults = {f.name: f.default for f in dataclasses.fields(sampler.config)}
-    for name, default in defaults.items():
-        if name in ("temperature", "top_p", "seed"):
-            continue
-        if getattr(sampler.config, name) != default:
-            return False
-    return True
+    Raises:
+      SamplerError: as `LoopDecoder`.
+    """
+    decoder = LoopDecoder(backend, sampler, stop_ids)
+    backend.compile_loop(decoder.kind)  # now, not inside the first reply's timing
+    return decoder

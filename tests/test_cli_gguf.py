@@ -14,6 +14,7 @@ from test_cli import REPO, jllama_command, run
 from jllama.backends import make_backend
 from jllama.chat import ChatTemplate
 from jllama.conversation import Conversation
+from jllama.session import Session
 from jllama.fetch import KNOWN_MODELS
 from jllama.loading import open_model
 from jllama.sampling import Sampler
@@ -135,8 +136,8 @@ def test_chat_from_stdin_matches_the_library(smollm2_gguf):
     model = open_model(smollm2_gguf, seq_len=512)
     backend = make_backend("jax")
     backend.prepare(model.config, model.weights)
-    chat = Conversation(backend.forward, model.tokenizer, ChatTemplate(model.chat_template), 512,
-                        system_prompt=system)
+    session = Session(model, backend, prefill="token", compile_ahead=False)
+    chat = Conversation(session, ChatTemplate(model.chat_template), system_prompt=system)
     replies = []
     for message in messages:
         ids = [t.id for t in chat.say(message, Sampler(temperature=0.0), max_tokens=64)]

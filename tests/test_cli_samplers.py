@@ -22,7 +22,7 @@ def test_min_p_1_is_greedy_and_a_penalty_changes_the_greedy_story():
 def test_bad_sampler_flags_are_one_line_errors():
     for args, name in [
         (["--samplers=top_k,top_p"], "--samplers"),
-        (["--top_k=-1"], "--top_k"),
+        (["--top_k=many"], "--top_k"),
         (["--min_p=2"], "--min_p"),
         (["--repeat_penalty=0"], "--repeat_penalty"),
         (["--decode=loop", "--top_k=3"], "--top_k"),

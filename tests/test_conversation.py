@@ -11,6 +11,7 @@ from jllama.conversation import ContextFullError, Conversation, common_prefix_le
 from jllama.generate import Generation
 from jllama.loading import open_model
 from jllama.sampling import Sampler
+from jllama.session import Session
 
 GREEDY = Sampler(temperature=0.0)
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
@@ -26,10 +27,8 @@ def _conversation(model, backend="jax", system=SYSTEM, seq_len=None):
     b = make_backend(backend)
     config = model.config
     b.prepare(config, model.weights)
-    return Conversation(
-        b.forward, model.tokenizer, ChatTemplate(model.chat_template),
-        seq_len or config.seq_len, system_prompt=system,
-    )
+    session = Session(model, b, prefill="token", compile_ahead=False)
+    return Conversation(session, ChatTemplate(model.chat_template), system_prompt=system)
 
 
 def test_common_prefix_length():
@@ -122,14 +121,15 @@ def test_each_turn_compiles_before_it_starts_and_the_replies_do_not_change(smoll
         b = make_backend("jax")
         b.prepare(model.config, model.weights)
         calls = []
+        compile_for = b.compile_for
 
-        def compile_for(prompt_len, last, start, b=b, calls=calls):
+        def recorded(prompt_len, last, kind=None, chunked=True, start=0):
             calls.append((prompt_len, last, start))
-            return b.compile_for(prompt_len, last, start=start)
+            return compile_for(prompt_len, last, kind, chunked=chunked, start=start)
 
-        chat = Conversation(b.forward, model.tokenizer, ChatTemplate(model.chat_template),
-                            model.config.seq_len, system_prompt=SYSTEM, prefill=b.prefill,
-                            compile_for=compile_for if warm else None)
+        b.compile_for = recorded
+        session = Session(model, b, decode="graph", compile_ahead=warm)
+        chat = Conversation(session, ChatTemplate(model.chat_template), system_prompt=SYSTEM)
         out = []
         for question in ("What is the capital of France?", "And of Italy?"):
             out.append([t.id for t in chat.say(question, GREEDY, max_tokens=24)])

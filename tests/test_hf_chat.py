@@ -14,6 +14,7 @@ from test_tokenizer_hf import BASE, llama3, tiktoken_file  # noqa: F401  (fixtur
 from jllama.backends import make_backend
 from jllama.chat import LLAMA3_CHAT_TEMPLATE, ChatTemplate
 from jllama.conversation import Conversation
+from jllama.session import Session
 from jllama.loading import open_model
 from jllama.sampling import Sampler
 
@@ -48,9 +49,10 @@ def test_llama3_folder_chat_turn_matches_transformers_template(folder):
     assert tok.add_bos and tok.decode([tok.bos_id], special=True) == "<|begin_of_text|>"
     backend = make_backend("jax")
     backend.prepare(model.config, model.weights)
+    session = Session(model, backend, prefill="token", compile_ahead=False)
     chat = Conversation(
-        backend.forward, tok, ChatTemplate(model.chat_template, bos_token="<|begin_of_text|>"),
-        model.config.seq_len, system_prompt=MESSAGES[0]["content"],
+        session, ChatTemplate(model.chat_template, bos_token="<|begin_of_text|>"),
+        system_prompt=MESSAGES[0]["content"],
     )
     replies = list(chat.say(MESSAGES[1]["content"], Sampler(temperature=0.0), max_tokens=4))
     assert len(replies) <= 4

@@ -186,13 +186,18 @@ def test_conversation_gives_the_sampler_the_whole_conversation():
     # Each turn re-encodes the conversation and feeds only what the KV cache lacks; a sampler
     # that reads the history must still see every id, the reused ones included (llama.cpp
     # counts the whole context window for its penalties).
+    import types
+
+    from jllama.config import ModelConfig
     from jllama.conversation import Conversation
+    from jllama.session import Session
 
     logits = np.full(8, -10.0, F32)
     logits[3] = 2.0
 
     class Tok:  # 'x' is id 1, a digit is its own id
         stop_ids = frozenset({2})
+        vocab_size = 8
 
         def encode_segments(self, segments, bos=False):
             return [1 if c == "x" else int(c) for text, _ in segments for c in text]
@@ -216,7 +221,17 @@ def test_conversation_gives_the_sampler_the_whole_conversation():
             self.histories.append(list(history))
             return int(np.argmax(logits))
 
-    chat = Conversation(lambda token, pos: logits, Tok(), Template(), seq_len=64)
+    class Backend:
+        name = "constant"
+
+        def forward(self, token, pos):
+            return logits
+
+    config = ModelConfig(dim=8, hidden_dim=16, n_layers=1, n_heads=2, n_kv_heads=2,
+                         vocab_size=8, seq_len=64)
+    model = types.SimpleNamespace(config=config, tokenizer=Tok(), chat_template=None,
+                                  source="mock")
+    chat = Conversation(Session(model, Backend()), Template())
     sample = Recorder()
     for message in ("a", "b", "c"):
         assert [t.id for t in chat.say(message, sample, max_tokens=2)] == [3, 3]

@@ -62,6 +62,7 @@ class ServerThread:
     Args:
       model: a `jllama.loading.Model`.
       backend: a prepared backend for it.
+      use_prefill: feed prompts through the backend's batched prefill where it has one.
       model_id: the name clients use as `model`.
       host, port: where to listen (port 0: a free port; see `url`).
       **app_options: for `create_app` (e.g. max_body_bytes).
@@ -74,8 +75,11 @@ class ServerThread:
     def __init__(self, model, backend, model_id: str, host: str = "127.0.0.1", port: int = 0,
                  use_prefill: bool = True, max_waiting: int = 256, **app_options):
         from jllama.server.engine import Engine
+        from jllama.session import Session
 
-        self.engine = Engine(model, backend, use_prefill=use_prefill, max_waiting=max_waiting)
+        session = Session(model, backend, decode="graph", device_sampling=False,
+                          prefill="chunked" if use_prefill else "token")
+        self.engine = Engine(session, max_waiting=max_waiting)
         self._sock = bind(host, port)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"

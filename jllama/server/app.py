@@ -77,13 +77,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     created = int(time.time())
     template = None
     if model.chat_template:
-        template = ChatTemplate(
-            model.chat_template,
-            bos_token=tokenizer.decode([tokenizer.bos_id], special=True)
-            if tokenizer.bos_id is not None and tokenizer.bos_id >= 0 else "",
-            eos_token=tokenizer.decode([tokenizer.eos_id], special=True)
-            if tokenizer.eos_id is not None and tokenizer.eos_id >= 0 else "",
-        )
+        template = ChatTemplate.for_tokenizer(model.chat_template, tokenizer, source=model.source)
 
     app = FastAPI(title="jllama", docs_url=None, redoc_url=None, openapi_url=None)
 

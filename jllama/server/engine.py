@@ -19,42 +19,13 @@ import asyncio
 import dataclasses
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import numpy as np
-
-from jllama.generate import Generation
-from jllama.sampling import Sampler, SamplerConfig, log_softmax, restrict_to_vocabulary
+from jllama.sampling import SamplerConfig
 from jllama.server.errors import APIError
-from jllama.stop import StopMatcher
+from jllama.streaming import Text, TokenLogprob
 
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's log-probability under the model (`log_softmax` of its logits,
-    before any sampler step, as llama.cpp's server reports by default).
-
-    Attributes:
-      token: the token's text (its bytes decoded as UTF-8, U+FFFD for a partial character).
-      bytes: the token's bytes, as ints.
-      logprob: natural log of its probability.
-      top: the `top` most likely tokens at that position, as (text, bytes, logprob), most
-        likely first.
-    """
-
-    token: str
-    bytes: list[int]
-    logprob: float
-    top: list[tuple[str, list[int], float]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Text:
-    """Text released to the client (never any part of a stop string), and the log-probs of the
-    tokens it came from (when asked for)."""
-
-    text: str
-    logprobs: list[TokenLogprob]
+__all__ = ["Done", "Engine", "Failed", "Job", "Text", "TokenLogprob"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,37 +85,21 @@ class Job:
             self.cancel()
 
 
-class _Recorder:
-    """Wraps a sampler to keep the logits of the last draw (for log-probs)."""
-
-    def __init__(self, sample: Callable[..., int]):
-        self._sample = sample
-        self.uses_history = getattr(sample, "uses_history", False)
-        self.logits: np.ndarray | None = None
-
-    def __call__(self, logits, *history) -> int:
-        self.logits = logits
-        return self._sample(logits, *history)
-
-
 class Engine:
     """The worker thread and its queue.
 
     Args:
-      model: a `jllama.loading.Model` (config, tokenizer).
-      backend: a prepared backend (`forward`, optionally `prefill`), used by the worker thread
-        only.
-      use_prefill: feed prompts through the backend's batched `prefill` when it has one (as the
-        CLI's --prefill=chunked).
+      session: the `jllama.session.Session` the requests run on (its model, backend and plan:
+        made with device_sampling=False, as every request brings its own sampler), used by
+        the worker thread only.
       max_waiting: the most requests waiting at once; more are refused with 503.
 
     Attributes (counters, read by /health): running (0 or 1), waiting, completed, cancelled.
     """
 
-    def __init__(self, model, backend, use_prefill: bool = True, max_waiting: int = 256):
-        self.model = model
-        self.backend = backend
-        self._prefill = getattr(backend, "prefill", None) if use_prefill else None
+    def __init__(self, session, max_waiting: int = 256):
+        self.session = session
+        self.model = session.model
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self.max_waiting = max_waiting
         self.running = 0
@@ -216,68 +171,13 @@ class Engine:
                     self.completed += 1
 
     def _generate(self, job: Job) -> None:
-        model, tokenizer = self.model, self.model.tokenizer
-        seq_len = model.config.seq_len
-        prompt = job.prompt_ids
-        sampler = Sampler.from_config(job.sampler)
-        sample = sampler
-        if tokenizer.vocab_size < model.config.vocab_size:
-            sample = restrict_to_vocabulary(sampler, tokenizer.vocab_size)
-        recorder = _Recorder(sample)
-        # steps counts positions from 0; the last sampled token is never fed back, hence - 1.
-        room = seq_len
-        steps = room if job.max_tokens is None else min(room, len(prompt) + job.max_tokens - 1)
-        if hasattr(self.backend, "compile_for"):
-            # Each program this request needs and no earlier one compiled, now rather than in
-            # the middle of its stream (a no-op once they all are).
-            self.backend.compile_for(len(prompt), steps - 1, chunked=self._prefill is not None)
-        generation = Generation(
-            self.backend.forward, prompt, recorder, steps,
-            stop_ids=tuple(tokenizer.stop_ids), prefill=self._prefill,
+        completion = self.session.complete(
+            job.prompt_ids, job.sampler, max_tokens=job.max_tokens, stop=job.stop,
+            logprobs=job.logprobs, cancelled=job.cancelled.is_set,
         )
-        decoder = tokenizer.stream_decoder()
-        matcher = StopMatcher(job.stop)
-        pending: list[TokenLogprob] = []
-        reason = None
-        for token in generation:
-            if job.cancelled.is_set():
-                return
-            if not token.sampled:
-                continue
-            if job.logprobs is not None:
-                pending.append(self._logprob(recorder.logits, token.prev, token.id, job.logprobs))
-            text = matcher.push(decoder.push(token.prev, token.id))
-            if text or (matcher.stopped and pending):
-                job._emit(Text(text, pending))
-                pending = []
-            if matcher.stopped:
-                reason = "stop"
-                break
-        if reason is None:
-            tail = matcher.push(decoder.flush())
-            if not matcher.stopped:
-                tail += matcher.flush()
-            if tail or pending:
-                job._emit(Text(tail, pending))
-            reason = "stop" if generation.stop_token is not None or matcher.stopped else "length"
-        job._emit(Done(reason, len(prompt), len(generation.generated_ids)))
-
-    def _logprob(self, logits, prev: int, token: int, top: int) -> TokenLogprob:
-        n = self.model.tokenizer.vocab_size
-        lp = log_softmax(np.asarray(logits)[:n])
-        best = np.argsort(-lp, kind="stable")[:top] if top else []
-        text_of = self._token_text
-        return TokenLogprob(
-            *text_of(prev, token), float(lp[token]),
-            [(*text_of(prev, int(t)), float(lp[t])) for t in best],
-        )
-
-    def _token_text(self, prev: int, token: int) -> tuple[str, list[int]]:
-        tokenizer = self.model.tokenizer
-        if hasattr(tokenizer, "decode_piece"):
-            data = tokenizer.decode_piece(prev, token)
-        else:
-            data = tokenizer.token_bytes(token)
-        if token in getattr(tokenizer, "control_ids", ()):
-            data = b""  # a control token prints nothing (as the stream decoder)
-        return data.decode("utf-8", "replace"), list(data)
+        for piece in completion:
+            job._emit(piece)
+        if completion.finish_reason == "cancelled":
+            return
+        generated = len(completion.generation.generated_ids)
+        job._emit(Done(completion.finish_reason, len(job.prompt_ids), generated))

@@ -1,0 +1,239 @@
+"""The `jllama` command's flags, defined (and their form checked) once.
+
+Values are turned into option dataclasses by `jllama.cli.options`, the one module that reads
+`FLAGS`; range checks of the sampler settings are `SamplerConfig`'s, made there too.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from jllama import runtime
+from jllama.backends import backend_names
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string(
+    "checkpoint",
+    None,
+    "Model file: a llama2.c checkpoint (.bin, version 0) or a GGUF file (.gguf), or the name "
+    "of a fetched model (smollm2). Default: the embedded stories260K.",
+)
+flags.DEFINE_string(
+    "tokenizer",
+    None,
+    "Tokenizer file: a llama2.c tokenizer.bin, a tokenizer.json or a GGUF file, for llama2.c "
+    "checkpoints and Hugging Face folders without a tokenizer.json (a GGUF file carries its "
+    "own); `jllama tokenize --tokenizer=FILE` needs no checkpoint. Default: tok<vocab_size>.bin or tokenizer.bin beside the "
+    "checkpoint, else (for vocab_size 512) the embedded tok512.bin.",
+)
+flags.DEFINE_float(
+    "temperature", 1.0, "Sampling temperature; 0 = greedy (argmax)."
+)
+flags.DEFINE_float(
+    "top_p",
+    0.9,
+    "Nucleus sampling threshold in [0, 1]; 0 or 1 = sample from the whole distribution.",
+)
+flags.DEFINE_integer(
+    "top_k", 0, "Keep only the k most likely tokens before sampling; 0 or less = off "
+    "(llama.cpp's --top-k).",
+)
+flags.DEFINE_float(
+    "min_p", 0.0, "Keep only tokens at least min_p times as likely as the most likely one, in "
+    "[0, 1]; 0 = off (llama.cpp's --min-p).",
+)
+flags.DEFINE_float(
+    "repeat_penalty", 1.0, "Divide (or, for negative logits, multiply) the logits of tokens "
+    "among the last --penalty_last_n by this; 1 = off (llama.cpp's --repeat-penalty).",
+)
+flags.DEFINE_float(
+    "presence_penalty", 0.0, "Subtract this from the logit of every token among the last "
+    "--penalty_last_n; 0 = off (OpenAI's presence_penalty).",
+)
+flags.DEFINE_float(
+    "frequency_penalty", 0.0, "Subtract this times its count from the logit of every token "
+    "among the last --penalty_last_n; 0 = off (OpenAI's frequency_penalty).",
+)
+flags.DEFINE_integer(
+    "penalty_last_n", 64, "How many of the last tokens (prompt included) the penalties count; "
+    "-1 = all, 0 = off (llama.cpp's --repeat-last-n).",
+)
+flags.DEFINE_list(
+    "samplers", "top_k,temperature,top_p,min_p", "Order of the sampler steps, each of top_k, "
+    "temperature, top_p, min_p once. The default applies the temperature before top-p (run.c, "
+    "transformers); llama.cpp's default is top_k,top_p,min_p,temperature.",
+)
+flags.DEFINE_integer(
+    "steps",
+    256,
+    "generate: positions to run, prompt included (tokens); < 1 or > seq_len means seq_len. "
+    "chat: the most tokens of one reply; < 1 = until the context is full.",
+)
+flags.DEFINE_string(
+    "prompt", "", "generate: the text to continue. chat: the first user message (then stdin)."
+)
+flags.DEFINE_enum(
+    "mode",
+    "generate",
+    ["generate", "chat"],
+    "generate: raw completion of --prompt. chat: a conversation read from stdin, one message "
+    "per line, rendered with the model's chat template; replies stop at the end-of-turn token.",
+)
+flags.DEFINE_string(
+    "system_prompt", "", "chat: the system message (empty: the chat template's default)."
+)
+flags.DEFINE_integer(
+    "seq_len",
+    0,
+    "Context to allocate the KV cache for (tokens), at most the model's; 0 = the model's.",
+    lower_bound=0,
+)
+flags.DEFINE_bool(
+    "parse_special",
+    False,
+    "Let special-token text in --prompt (e.g. <|im_start|>) become the special token, as "
+    "llama.cpp's llama-tokenize does; by default it stays plain text.",
+)
+flags.DEFINE_enum(
+    "dtype",
+    "auto",
+    ["auto", "float32", "bfloat16", "int8", "q4"],
+    "Type to hold the weight matrices in: auto = as stored (a GGUF's quantized blocks as they "
+    "are, float32 for llama2.c files, the stored type for Hugging Face folders); bfloat16 halves "
+    "f32's memory; int8 quarters it (one float32 scale per row; a GGUF's blocks become Q8_0); "
+    "q4 is llama.cpp's Q4_0 blocks, about an eighth (see README for speed and accuracy).",
+)
+flags.DEFINE_enum(
+    "decode",
+    "auto",
+    ["auto", "graph", "fused", "loop"],
+    "jax backend: graph = three compiled programs per layer; fused = one program for all layers "
+    "per token; loop = 16 tokens per program call, sampled on the device (temperature/top_p/"
+    "seed sampling only); auto = loop where it can sample (run.c's sampler, a tokenizer that "
+    "covers every logit), else graph. See README for the speed of each.",
+)
+flags.DEFINE_enum(
+    "matvec",
+    "auto",
+    ["auto", "xla", "kernel"],
+    "jax backend: how decode computes its matrix-vector products and attention, and prefill "
+    "its attention. kernel = jllama's CPU kernels (built once with the system's C++ compiler "
+    "into $JLLAMA_HOME/kernels; int8 and bfloat16 weights stream at f32's bytes/s instead of "
+    "being widened by XLA; prefill's attention only where built with AVX-512 or AVX2); xla = jnp.dot "
+    "and XLA's attention; auto = kernel on one CPU device when it builds, else xla.",
+)
+flags.DEFINE_enum(
+    "prefill",
+    "chunked",
+    ["chunked", "token"],
+    "How the prompt goes through the model: chunked = batched chunks of tokens through each "
+    "layer (jax backend); token = one position at a time, as run.c.",
+)
+flags.DEFINE_bool(
+    "compile_cache",
+    True,
+    "jax backend: keep XLA's compiled programs in $JLLAMA_HOME/xla-cache and load them in "
+    "later runs instead of compiling again; --nocompile_cache compiles everything and stores "
+    "nothing.",
+)
+flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on.")
+flags.DEFINE_integer(
+    "port", 8080, "serve: the TCP port to listen on (0 = any free one, printed).",
+    lower_bound=0, upper_bound=65535,
+)
+flags.DEFINE_string(
+    "model_name", None, "serve: the name clients give as `model` (default: the checkpoint's "
+    "name, e.g. stories260K or smollm2).",
+)
+flags.DEFINE_integer(
+    "max_waiting", 256, "serve: the most requests queued at once; more get HTTP 503.",
+    lower_bound=1,
+)
+flags.DEFINE_bool("pieces", False, "tokenize: print each id with its text, one per line.")
+flags.DEFINE_bool(
+    "force",
+    False,
+    "fetch: download again even if the cached file verifies. convert: write settings a "
+    "llama2.c file cannot hold (norm_eps, rope_theta, rope_scaling), which run.c then ignores.",
+)
+flags.DEFINE_string("output", None, "convert: the llama2.c checkpoint file to write.")
+flags.DEFINE_enum(
+    "llama2c_version",
+    "1",
+    ["0", "1", "2"],
+    "convert: llama2.c format version: 0 (legacy, run.c), 1 (float32, export.py), 2 (Q8_0, "
+    "runq.c).",
+)
+flags.DEFINE_integer(
+    "group_size", 64, "convert: Q8_0 group size for version 2 (halved until it fits).",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "seed",
+    None,
+    "Seed of run.c's xorshift sampler; absent or 0 = from the clock (printed to stderr).",
+    lower_bound=0,
+    upper_bound=2**64 - 1,
+)
+flags.DEFINE_enum("backend", "jax", list(backend_names()), "Model implementation.")
+flags.DEFINE_integer(
+    "threads",
+    0,
+    "CPU threads for XLA (the process is pinned to that many cores); 0 = all.",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "devices",
+    0,
+    "jax backend: split the model over this many devices, tensor-parallel (each holds a "
+    "slice of every layer and its KV heads' cache; must divide n_kv_heads). 0 = one device, "
+    "or with --num_processes > 1 every device of every process. On CPU, "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices.",
+    lower_bound=0,
+)
+flags.DEFINE_string(
+    "coordinator",
+    None,
+    "Several processes (hosts) running one model: HOST:PORT of process 0, where JAX's "
+    "coordinator listens (jax.distributed). Every process runs the same command with its own "
+    "--process_id.",
+)
+flags.DEFINE_integer(
+    "num_processes", 1, "How many processes run the model together (see --coordinator).",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "process_id", 0, "This process's number, 0 .. --num_processes - 1; process 0 prints.",
+    lower_bound=0,
+)
+flags.DEFINE_bool(
+    "verify_checkpoint",
+    False,
+    "Print shape, min, max, mean and finiteness of every tensor and exit (1 if any value "
+    "is not finite).",
+)
+flags.DEFINE_enum(
+    "output_format",
+    "text",
+    ["text", "json"],
+    "text: stream the story as run.c prints it; json: one object with the ids, the text and "
+    "the rates (perplexity: the PPL, its error and the rates).",
+)
+flags.DEFINE_string("file", None, "perplexity: the UTF-8 text file to score.")
+flags.DEFINE_integer(
+    "ctx", 512, "perplexity: tokens a chunk (llama-perplexity's -c); the second half of each "
+    "is scored.",
+)
+flags.DEFINE_integer(
+    "chunks", -1, "perplexity: the most chunks to evaluate (llama-perplexity's --chunks); "
+    "-1 = all.",
+)
+
+flags.register_validator(
+    "threads",
+    lambda n: n <= runtime.available_cpus(),
+    message=f"exceeds the {runtime.available_cpus()} CPUs available",
+)
+for _name in ("checkpoint", "tokenizer"):
+    flags.register_validator(_name, lambda v: v is None or v != "", message="is empty")

@@ -1,0 +1,164 @@
+"""The command line's settings as frozen option dataclasses, read from `FLAGS` once.
+
+This is the only module of the command that reads `FLAGS`: every command takes the `Options`
+made here. Sampler settings are checked by `SamplerConfig` (the server's schema uses the same
+checks), their errors renamed to the flags they came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jllama.cli.flags import FLAGS
+from jllama.errors import JllamaError
+from jllama.sampling import FILTERS, SamplerConfig
+from jllama.sampling.config import SamplerSettingError
+
+_LLAMA_CPP_SAMPLER_FLAGS = ("top_k", "min_p", "repeat_penalty", "presence_penalty",
+                            "frequency_penalty")
+_FLAG_OF_FIELD = {"order": "samplers"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """What to read: --checkpoint, --tokenizer, --seq_len (None: the model's), --dtype (None:
+    as stored)."""
+
+    checkpoint: str | None
+    tokenizer: str | None
+    seq_len: int | None
+    dtype: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How to run it: the backend and its modes, devices, threads, processes."""
+
+    backend: str
+    decode: str
+    matvec: str
+    prefill: str
+    devices: int
+    threads: int
+    compile_cache: bool
+    coordinator: str | None
+    num_processes: int
+    process_id: int
+    jax_modes: tuple[tuple[str, str], ...]
+    """(flag, value) of the jax backend's modes given on the command line (not auto)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """The sampler: its checked `SamplerConfig` (seed None: from the clock) and the llama.cpp
+    sampler flags given on the command line (the device loop has none of them)."""
+
+    config: SamplerConfig
+    llama_cpp_flags: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TextOptions:
+    """The main job: --mode, --prompt, --steps, --system_prompt, --parse_special,
+    --output_format, --verify_checkpoint, and whether to print the rates (--verbosity > 0)."""
+
+    mode: str
+    prompt: str
+    steps: int
+    system_prompt: str | None
+    parse_special: bool
+    output_format: str
+    verify_checkpoint: bool
+    verbose: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    host: str
+    port: int
+    model_name: str | None
+    max_waiting: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PerplexityOptions:
+    file: str | None
+    ctx: int
+    chunks: int
+    seq_len_flag: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolOptions:
+    """fetch, tokenize, convert: --pieces, --force, --output, --llama2c_version,
+    --group_size (and whether it was given)."""
+
+    pieces: bool
+    force: bool
+    output: str | None
+    llama2c_version: int
+    group_size: int
+    group_size_given: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every setting of one run of the command."""
+
+    model: ModelOptions
+    run: RunOptions
+    sampling: SamplingOptions
+    text: TextOptions
+    serve: ServeOptions
+    perplexity: PerplexityOptions
+    tools: ToolOptions
+    seq_len_asked: int
+    """--seq_len as given (0: none), for the note when it exceeds the model's context."""
+
+
+def from_flags() -> Options:
+    """The parsed flags as `Options`.
+
+    Raises:
+      JllamaError: a sampler setting out of range (one line naming its flag).
+    """
+    f = FLAGS
+    jax_modes = tuple((name, f[name].value) for name in ("decode", "matvec")
+                      if f[name].present and f[name].value != "auto")
+    return Options(
+        model=ModelOptions(f.checkpoint, f.tokenizer, f.seq_len or None,
+                           None if f.dtype == "auto" else f.dtype),
+        run=RunOptions(f.backend, f.decode, f.matvec, f.prefill, f.devices, f.threads,
+                       f.compile_cache, f.coordinator, f.num_processes, f.process_id,
+                       jax_modes),
+        sampling=_sampling(),
+        text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
+                         f.output_format, f.verify_checkpoint, f.verbosity > 0),
+        serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting),
+        perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len),
+        tools=ToolOptions(f.pieces, f.force, f.output, int(f.llama2c_version), f.group_size,
+                          f["group_size"].present),
+        seq_len_asked=f.seq_len,
+    )
+
+
+def _sampling() -> SamplingOptions:
+    f = FLAGS
+    given = [f"--{name}" for name in _LLAMA_CPP_SAMPLER_FLAGS if f[name].present]
+    if tuple(f.samplers) != FILTERS:  # another order than run.c's temperature, then top-p
+        given.append("--samplers")
+    try:
+        config = SamplerConfig(
+            temperature=f.temperature, top_p=f.top_p, seed=f.seed or None, top_k=f.top_k,
+            min_p=f.min_p, repeat_penalty=f.repeat_penalty,
+            presence_penalty=f.presence_penalty, frequency_penalty=f.frequency_penalty,
+            penalty_last_n=f.penalty_last_n, order=tuple(f.samplers),
+        )
+    except SamplerSettingError as e:
+        raise JllamaError(f"--{_FLAG_OF_FIELD.get(e.name, e.name)}: {e.reason}") from None
+    if given and f.decode == "loop":
+        raise JllamaError(
+            f"--decode=loop samples on the device with temperature and top_p only; "
+            f"{', '.join(given)} cannot be used with it (use --decode=graph or fused)"
+        )
+    return SamplingOptions(config, tuple(given))

@@ -1,0 +1,58 @@
+"""`jllama serve`: the OpenAI-compatible HTTP API over one `Session` (`jllama.server`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from jllama import runtime
+from jllama.cli.common import (
+    compile_programs, device_count, note_seq_len, one_process, open_session, say,
+)
+from jllama.cli.options import Options
+from jllama.fetch import KNOWN_MODELS
+from jllama.loading import open_model, required_memory
+
+
+def model_id(options: Options) -> str:
+    """The name `jllama serve` answers to: --model_name, else the checkpoint's name."""
+    if options.serve.model_name:
+        return options.serve.model_name
+    checkpoint = options.model.checkpoint
+    if checkpoint is None:
+        return "stories260K"
+    if checkpoint in KNOWN_MODELS:
+        return checkpoint
+    path = Path(checkpoint)
+    return path.name if path.is_dir() else path.stem
+
+
+def main(options: Options) -> int:
+    from jllama.server import bind, make_server
+    from jllama.server.engine import Engine
+
+    run, serve, m = options.run, options.serve, options.model
+    if run.threads:
+        runtime.limit_cpu_threads(run.threads)
+    one_process("serve", run)
+    sock = bind(serve.host, serve.port)  # before the slow load: a busy port fails at once
+    model = open_model(m.checkpoint, m.tokenizer, seq_len=m.seq_len, dtype=m.dtype)
+    n_devices = device_count(run, model.config, several=False)
+    note_seq_len(options, model.config)
+    say(required_memory(model, n_devices))
+    compile_programs(run)  # programs compiled per request are kept for the next server too
+    # Every request brings its own sampler, sampled on the host: never the device loop.
+    session = open_session(model, run, n_devices, device_sampling=False)
+    engine = Engine(session, max_waiting=serve.max_waiting)
+    name = model_id(options)
+    server = make_server(engine, name, sock)
+    port = sock.getsockname()[1]
+    chat = "chat and completions" if model.chat_template else "completions only, no chat template"
+    print(f"jllama: serving {name} ({chat}; context {model.config.seq_len} tokens) at "
+          f"http://{serve.host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+    return 0

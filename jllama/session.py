@@ -1,0 +1,315 @@
+"""A Session: one prepared model and backend, and the one place that assembles a generation.
+
+The command line (both modes), `Conversation`, the server's worker and scripts all drive
+generations through a `Session`. It owns what each of them used to put together on its own:
+
+- the step count (`steps` positions from `start_pos`, capped by `max_tokens` and the context);
+- compiling, before a generation starts, the programs it will need (`CompilePlanning`);
+- the prefill choice (the backend's batched `Prefill`, or token by token) and the decode mode
+  (`auto` resolved to `loop` or `graph` by `jllama.device_loop.decode_mode`);
+- sampling only among the tokenizer's ids when the model has more logits than tokens;
+- the end-of-generation ids (the tokenizer's `stop_ids`);
+- the text of a stream with stop strings and log-probs (`jllama.streaming.Completion`);
+- a chat turn on top of all that (`chat`, a `Conversation`).
+
+Example::
+
+    from jllama import Session
+    session = Session.open(seq_len=256)                   # the embedded stories260K
+    for piece in session.complete("Once upon a time", temperature=0.0, max_tokens=32):
+        print(piece.text, end="")
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from jllama import runtime
+from jllama.backends import make_backend
+from jllama.backends.base import Backend, CompilePlanning, Described, Prefill, PrefillLogits
+from jllama.device_loop import DECODE_MODES, LoopDecoder, decode_mode
+from jllama.errors import JllamaError
+from jllama.generate import Generation
+from jllama.sampling import Sampler, SamplerConfig, restrict_to_vocabulary
+from jllama.streaming import Completion, LogitsRecorder, Text
+
+PREFILL_MODES = ("chunked", "token")
+"""chunked: a prompt goes through the backend's batched `prefill` where it has one; token: one
+position at a time, as run.c."""
+
+
+class Session:
+    """A prepared model + backend + decoding plan.
+
+    Args:
+      model: a `jllama.loading.Model` (or anything with its `config`, `tokenizer`,
+        `chat_template` and `source`).
+      backend: a prepared backend for it (`jllama.backends.base.Backend`; the capability
+        protocols beside it say what else it can do).
+      decode: one of `jllama.device_loop.DECODE_MODES`: auto, graph, fused (fixed when the
+        backend was made) or loop.
+      prefill: one of `PREFILL_MODES`.
+      device_sampling: False where every generation brings its own sampler and the host
+        samples (the server): auto then never picks the device loop.
+      compile_ahead: compile each generation's programs before it starts (`compile_for`);
+        False leaves them to compile where first run.
+
+    Raises:
+      ValueError: an unknown decode or prefill mode.
+    """
+
+    def __init__(self, model, backend: Backend, *, decode: str = "auto",
+                 prefill: str = "chunked", device_sampling: bool = True,
+                 compile_ahead: bool = True):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode={decode!r}; known: {', '.join(DECODE_MODES)}")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill={prefill!r}; known: {', '.join(PREFILL_MODES)}")
+        self.model = model
+        self.backend = backend
+        self.decode = decode
+        self.prefill = prefill
+        self.device_sampling = device_sampling
+        self.compile_ahead = compile_ahead
+        self._loops_compiled: set[str] = set()
+
+    @classmethod
+    def prepare(cls, model, backend: str | Backend = "jax", *, decode: str = "auto",
+                matvec: str = "auto", devices: int = 1, say: Callable[[str], None] | None = None,
+                **options) -> Session:
+        """Make (from its name) and prepare the backend for `model`, then the session.
+
+        Args:
+          model: as `Session`.
+          backend: a backend's name (`jllama.backends.backend_names`) or an unprepared one.
+          decode, matvec, devices: the jax backend's settings (ignored for another named
+            backend): decode "fused" makes the one-program decode, the others the per-layer
+            programs; devices > 1 splits the model tensor-parallel.
+          say: takes lines for the user (the kernels' build, the backend's notes); None:
+            they are not said.
+          **options: the other `Session` arguments (prefill, device_sampling, compile_ahead).
+
+        Raises:
+          ResourceError: the KV cache does not fit in the host's memory (CPU backends).
+          BackendError, ShardingError, ValueError: from the backend (see `make_backend`).
+        """
+        if isinstance(backend, str):
+            settings = {}
+            if backend == "jax":
+                settings = {"decode": "fused" if decode == "fused" else "graph", "matvec": matvec}
+                if devices > 1:
+                    settings["devices"] = devices
+            backend = make_backend(backend, **settings)
+        on_cpu = not isinstance(backend, Described) or backend.platform == "cpu"
+        if on_cpu:
+            runtime.check_kv_cache_fits(model.config)
+        if say is not None and on_cpu and devices == 1 and matvec != "xla" and backend.name == "jax":
+            from jllama.kernels.library import compiler, is_built
+
+            if compiler() and not is_built():
+                say("building jllama's CPU kernels (once for this machine and compiler, a few "
+                    "seconds)")
+        placing = time.perf_counter()
+        backend.prepare(model.config, model.weights)
+        session = cls(model, backend, decode=decode, **options)
+        # prepare's time less its warm-up (the compile) is placing the weights on the device.
+        session.place_seconds = time.perf_counter() - placing - session.compile_seconds
+        if say is not None and isinstance(backend, Described):
+            for note in backend.notes():
+                say(f"note: {note}")
+        return session
+
+    @classmethod
+    def open(cls, checkpoint=None, tokenizer=None, *, seq_len: int | None = None,
+             dtype: str | None = None, **options) -> Session:
+        """`jllama.loading.open_model(checkpoint, tokenizer, seq_len, dtype=dtype)`, then
+        `Session.prepare(model, **options)`: a session in one call (checkpoint None: the
+        embedded stories260K)."""
+        from jllama.loading import open_model
+
+        return cls.prepare(open_model(checkpoint, tokenizer, seq_len=seq_len, dtype=dtype),
+                           **options)
+
+    place_seconds = 0.0
+    """Seconds `prepare` spent converting and placing the weights (its compile not counted)."""
+
+    @property
+    def config(self):
+        """The model's `ModelConfig` (seq_len: the context the KV cache holds)."""
+        return self.model.config
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (`jllama.tokenizers.base.Tokenizer`)."""
+        return self.model.tokenizer
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds the backend has spent compiling (0 for a backend that does not say)."""
+        return self.backend.compile_seconds if isinstance(self.backend, CompilePlanning) else 0.0
+
+    @property
+    def padded(self) -> bool:
+        """True when the model has more logits than the tokenizer has tokens (ids with no
+        token are never sampled)."""
+        return self.tokenizer.vocab_size < self.config.vocab_size
+
+    def sampler(self, settings: SamplerConfig | Sampler | None = None, **values) -> Sampler:
+        """A `Sampler` from `settings` or from keyword values (`SamplerConfig`'s fields); a
+        Sampler given is returned as it is (it keeps its random state).
+
+        Raises:
+          SamplerError: a setting out of range.
+        """
+        if isinstance(settings, Sampler):
+            return settings
+        if settings is None:
+            return Sampler(**values)
+        return Sampler.from_config(settings)
+
+    def decode_mode(self, sampler: Sampler | None, host_logits: bool = False) -> str:
+        """The decode mode a generation with `sampler` runs in (`device_loop.decode_mode`)."""
+        sampling = sampler.config if isinstance(sampler, Sampler) and self.device_sampling else None
+        return decode_mode(self.decode, self.backend, sampling, self.padded, host_logits)
+
+    def generate(self, prompt_ids: Sequence[int], sampler: Sampler | Callable[..., int],
+                 steps: int | None = None, *, max_tokens: int | None = None,
+                 start_pos: int = 0, context_ids: Sequence[int] = (),
+                 started_at: float | None = None, host_logits: bool = False,
+                 sample: Callable[..., int] | None = None) -> Generation:
+        """A `Generation` of `prompt_ids` from `start_pos`, its programs compiled.
+
+        Args:
+          prompt_ids: the tokens to feed, BOS included when wanted; at least one.
+          sampler: a `Sampler` (the device loop samples with it where the decode mode is
+            loop), or any `sample(logits[, history]) -> id` with a `uses_history` attribute.
+          steps: positions to run from start_pos, prompt included (1 .. seq_len - start_pos);
+            None: up to the end of the context, or len(prompt_ids) + max_tokens - 1 when
+            max_tokens is given (the last token sampled is never fed back).
+          max_tokens: the most tokens to generate (with steps None).
+          start_pos: where the prompt starts; positions before it are kept in the cache (a
+            conversation's earlier turns) and `context_ids` says what they hold.
+          started_at: a `time.perf_counter()` reading `stats.first_token_seconds` counts from.
+          host_logits: the caller reads each token's logits (log-probs): never the device loop.
+          sample: what the host samples with instead of `sampler` itself (e.g. a
+            `LogitsRecorder` around it).
+
+        Raises:
+          ValueError: no prompt, or steps out of range.
+          SamplerError: decode mode loop with a sampler it cannot run (`decode_mode`).
+        """
+        prompt_ids = [operator.index(t) for t in prompt_ids]
+        room = self.config.seq_len - start_pos
+        if steps is None:
+            steps = room if max_tokens is None else min(room, len(prompt_ids) + max_tokens - 1)
+        if not 1 <= steps <= room:
+            raise ValueError(f"steps={steps} must be in 1..{room} (seq_len - start_pos)")
+        stop_ids = tuple(self.tokenizer.stop_ids)
+        loop = None
+        if self.decode_mode(sampler, host_logits) == "loop":
+            loop = LoopDecoder(self.backend, sampler, stop_ids)
+            if loop.kind not in self._loops_compiled and start_pos == 0:
+                # At position 0, before the sequence starts (it rewrites that position).
+                self.backend.compile_loop(loop.kind)
+            self._loops_compiled.add(loop.kind)
+        prefill = None
+        if self.prefill == "chunked" and isinstance(self.backend, Prefill):
+            prefill = self.backend.prefill
+        if self.compile_ahead and isinstance(self.backend, CompilePlanning):
+            # The prompt's chunk programs and the windows the decode grows into, now rather
+            # than inside the timed prefill and in the middle of decoding.
+            self.backend.compile_for(len(prompt_ids), start_pos + steps - 1,
+                                     loop.kind if loop is not None else None,
+                                     chunked=prefill is not None, start=start_pos)
+        sample = sample if sample is not None else sampler
+        if self.padded:
+            sample = restrict_to_vocabulary(sample, self.tokenizer.vocab_size)
+        return Generation(
+            self.backend.forward, prompt_ids, sample, steps, stop_ids=stop_ids,
+            start_pos=start_pos, prefill=prefill, decode_loop=loop, context_ids=context_ids,
+            started_at=started_at,
+        )
+
+    def encode(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:
+        """`prompt` as token ids: a text encoded by the tokenizer (BOS added where the model
+        wants one), or ids as given.
+
+        Raises:
+          JllamaError: the prompt encodes to nothing (an empty text and no BOS).
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, parse_special=parse_special)
+        else:
+            ids = [operator.index(t) for t in prompt]
+        if not ids:
+            raise JllamaError(f"the prompt is empty and {self.model.source} adds no BOS token")
+        return ids
+
+    def complete(self, prompt: str | Sequence[int], sampler: Sampler | SamplerConfig | None = None,
+                 *, max_tokens: int | None = None, stop: Sequence[str] = (),
+                 logprobs: int | None = None, cancelled: Callable[[], bool] | None = None,
+                 **sampling) -> Completion:
+        """A raw completion of `prompt` as streamed text (`jllama.streaming.Completion`).
+
+        Args:
+          prompt: a text (encoded with `encode`) or token ids.
+          sampler: a `Sampler`, its `SamplerConfig`, or None: `Sampler(**sampling)`.
+          max_tokens: the most tokens to generate; None: until the context is full.
+          stop: stop strings (the text ends before the first one found).
+          logprobs: top log-probs per token (0: the chosen token's only), None: none.
+          cancelled: checked before each token; True ends the stream.
+
+        Returns:
+          a `Completion`: iterate it for `Text` pieces; then its `finish_reason` ("stop" for
+          an end-of-generation token or a stop string, "length", "cancelled") and its
+          `generation` (ids, stats).
+
+        Raises:
+          ValueError: a prompt longer than the context.
+          SamplerError: a sampler setting out of range.
+        """
+        ids = self.encode(prompt)
+        sampler = self.sampler(sampler, **sampling)
+        recorder = LogitsRecorder(sampler) if logprobs is not None else None
+        generation = self.generate(ids, sampler, max_tokens=max_tokens,
+                                   host_logits=logprobs is not None, sample=recorder)
+        return Completion(generation, self.tokenizer, stop=stop, logprobs=logprobs,
+                          recorder=recorder, cancelled=cancelled, generation=generation)
+
+    def text(self, prompt: str | Sequence[int], **options) -> str:
+        """The whole completion of `prompt` as one string (`complete`'s arguments)."""
+        return "".join(piece.text for piece in self.complete(prompt, **options))
+
+    def logits_fn(self, ctx: int):
+        """`logits(tokens, start_pos, first) -> f32[len(tokens) - first, vocab_size]`, the
+        logits after each of tokens[first:] (`jllama.perplexity.LogitsFn`): batched through
+        the backend's `PrefillLogits` when prefill is chunked, else `forward` token by token;
+        the programs for chunks of `ctx` tokens compiled first."""
+        from jllama.perplexity import forward_logits
+
+        chunked = self.prefill == "chunked" and isinstance(self.backend, PrefillLogits)
+        if self.compile_ahead and isinstance(self.backend, CompilePlanning):
+            self.backend.compile_for(ctx, ctx - 1, chunked=chunked)
+        return self.backend.prefill_logits if chunked else forward_logits(self.backend.forward)
+
+    def chat(self, system_prompt: str | None = None, template=None):
+        """A new `jllama.conversation.Conversation` over this session's KV cache (one at a
+        time: a new one, or any other generation, starts the cache again from position 0).
+
+        Args:
+          system_prompt: the first message's content, role "system" (None: the template's
+            default).
+          template: a `jllama.chat.ChatTemplate`; None: the model's own, with the
+            tokenizer's BOS and EOS text (`ChatTemplate.for_tokenizer`).
+
+        Raises:
+          ChatError: the model has no chat template, or it does not compile.
+        """
+        from jllama.conversation import Conversation
+
+        return Conversation(self, template=template, system_prompt=system_prompt)
+
+
+__all__ = ["PREFILL_MODES", "Session", "Text"]

@@ -1,0 +1,94 @@
+"""The command as a new user meets it (issue 19's new-user pass): `tokenize` with a tokenizer
+alone, presets from any folder, llama.cpp's `--top_k <= 0`, and chat at a terminal (line
+editing, Ctrl-C stopping only the reply)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pty
+import select
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import TOKENIZER_32K, load_json
+from test_cli import REPO, jllama_command, run
+
+ORACLE = load_json("encode_llama2c.json")
+
+
+def test_tokenize_with_a_tokenizer_file_alone_gives_run_c_ids(tmp_path):
+    for case in ORACLE["cases"]["tokenizer.bin"][1:6]:
+        done = subprocess.run(
+            jllama_command() + ["tokenize", f"--tokenizer={TOKENIZER_32K}",
+                                f"--prompt={case['text']}"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr
+        assert ast.literal_eval(done.stdout.strip()) == case["ids"], case["text"]
+
+
+def test_a_preset_flagfile_works_from_any_folder(tmp_path):
+    greedy = run("--temperature=0", "--steps=40")
+    elsewhere = subprocess.run(
+        jllama_command() + ["--flagfile=configs/greedy.flags", "--steps=40"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert elsewhere.stdout == greedy.stdout
+
+
+def test_top_k_at_or_below_zero_is_off_as_in_llama_cpp():
+    off = run("--seed=9", "--steps=60", "--top_k=0")
+    minus = run("--seed=9", "--steps=60", "--top_k=-1")
+    assert minus.returncode == 0, minus.stderr
+    assert minus.stdout == off.stdout
+
+
+def _read_until(fd, needle: bytes, timeout: float) -> bytes:
+    out = b""
+    end = time.monotonic() + timeout
+    while needle not in out:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"{needle!r} not seen in {out[-400:]!r}")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            try:
+                out += os.read(fd, 4096)
+            except OSError:
+                break
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_terminal_chat_ctrl_c_stops_the_reply_not_the_program(smollm2_gguf):
+    """At a terminal: a long reply is cut by Ctrl-C, the prompt comes back, a second message
+    is answered, and Ctrl-D ends the chat with status 0. The arrow keys are edited by
+    readline, never echoed as ^[[D."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        jllama_command() + [f"--checkpoint={smollm2_gguf}", "--mode=chat", "--seq_len=512",
+                            "--temperature=0", "--steps=400"],
+        stdin=follower, stdout=follower, stderr=follower, cwd=REPO, start_new_session=True,
+    )
+    os.close(follower)
+    try:
+        _read_until(leader, b"> ", 180)
+        os.write(leader, b"Write a very long story about a dragon.\r")
+        _read_until(leader, b"dragon", 120)  # the reply is under way
+        time.sleep(0.5)
+        os.killpg(process.pid, signal.SIGINT)
+        _read_until(leader, b"> ", 60)  # the reply stopped; the prompt is back
+        assert process.poll() is None
+        os.write(leader, b"Say hi\x1b[D\x1b[C.\r")  # left, right: edited, not typed
+        after = _read_until(leader, b"> ", 120)
+        assert b"^[[D" not in after
+        os.write(leader, b"\x04")  # Ctrl-D
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(leader)
