@@ -223,15 +223,22 @@ class Generation:
                 else:
                     stats.decode_seconds = now - first_sampled_at
                     stats.decode_steps += 1
-                if next_token in stop_ids:
-                    self.stop_token = next_token
+                if self._stopped_by(next_token, stop_ids):
                     return
-                stats.generated_tokens += 1
-                self.generated_ids.append(next_token)
             yield Token(id=next_token, prev=token, pos=pos + 1, sampled=sampled)
             token = next_token
         if first_sampled_at is None:  # the prompt filled every step: all of it was prefill
             stats.prefill_seconds = clock() - start
+
+    def _stopped_by(self, token: int, stop_ids: frozenset[int]) -> bool:
+        """Take a sampled token: True (and `stop_token` set) when it ends the generation, else
+        counted and appended to `generated_ids`."""
+        if token in stop_ids:
+            self.stop_token = token
+            return True
+        self.stats.generated_tokens += 1
+        self.generated_ids.append(token)
+        return False
 
     def _run_loop(self, token, i, steps, stop_ids, clock, first_sampled_at) -> Iterator[Token]:
         """Steps i.. steps - 1 through `decode_loop`, in chunks; `token` was sampled last."""
@@ -244,11 +251,8 @@ class Generation:
             for next_token in ids:
                 next_token = int(next_token)
                 stats.decode_steps += 1
-                if next_token in stop_ids:
-                    self.stop_token = next_token
+                if self._stopped_by(next_token, stop_ids):
                     return
-                stats.generated_tokens += 1
-                self.generated_ids.append(next_token)
                 yield Token(id=next_token, prev=token, pos=pos + 1, sampled=True)
                 token, pos, i = next_token, pos + 1, i + 1
             if not finite:
