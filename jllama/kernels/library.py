@@ -1,4 +1,5 @@
-"""Compile `matvec.cc` into a shared library once per machine and compiler, and reuse it.
+"""Compile jllama's CPU kernels (`SOURCE`) into a shared library once per machine and compiler,
+and reuse it.
 
 The library is built on first use with the system's C++ compiler (`$CXX`, else `c++`) against
 the XLA FFI headers of the installed jaxlib (`jax.ffi.include_dir()`), so its calling
@@ -6,12 +7,12 @@ convention always matches the jaxlib that loads it. On x86-64 it is built with
 `-march=native` (AVX2 / AVX-512 when the CPU has them), as llama.cpp builds by default.
 
 It is kept in `$JLLAMA_HOME/kernels/` (default `~/.cache/jllama/kernels/`) under a name that
-hashes everything the binary depends on: the source, the flags, the compiler, the jaxlib
-version and the CPU's feature flags; a change of any of them builds a new file. A build writes
-a temporary file and renames it into place only once it loads with every handler, so
-processes building at the same time never see a half-written library and a broken build is
-never cached. The compiler runs in its own process group, killed whole on a timeout or an
-interrupt. A build takes about 3 s (g++ 12).
+hashes everything the binary depends on: the sources and headers (`FILES`), the flags, the
+compiler, the jaxlib version and the CPU's feature flags; a change of any of them builds a new
+file. A build writes a temporary file and renames it into place only once it loads with every
+handler, so processes building at the same time never see a half-written library and a broken
+build is never cached. The compiler runs in its own process group, killed whole on a timeout or
+an interrupt. A build takes about 12 s (g++ 12).
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ from pathlib import Path
 from jllama.errors import BackendError
 from jllama.fetch import jllama_home
 
-SOURCE = Path(__file__).with_name("matvec.cc")
-HEADERS = (Path(__file__).with_name("ggml_dot.h"), Path(__file__).with_name("ggml_x8.h"))
-"""Files `SOURCE` includes: part of what the library's name hashes."""
+_HERE = Path(__file__).parent
+
+SOURCE = _HERE / "library.cc"
+"""The source the compiler is given: the kernels' parts (matvec.cc, ggml_products.cc, ...) as one
+translation unit."""
+
+FILES = tuple(sorted((*_HERE.glob("*.cc"), *_HERE.glob("*.h"))))
+"""Every source and header of the kernels, `SOURCE` and all it may include: what the library's
+name hashes, so that a change to any of them builds a new library."""
 
 MARCH_ENV = "JLLAMA_MARCH"
 """Environment variable: build the kernels with `-march=$JLLAMA_MARCH` instead of native (e.g.
@@ -52,11 +59,11 @@ SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8",
            "jllama_argmax_f32", "jllama_rope_write_f32", "jllama_attention_chunk_f32",
            "jllama_matvec_ggml", "jllama_dequantize_ggml", "jllama_rows_ggml",
            "jllama_matmul_ggml")
-"""The FFI handlers `matvec.cc` exports; a library lacking one is not used or cached."""
+"""The FFI handlers the library exports; a library lacking one is not used or cached."""
 
 VECTOR_WIDTH = "jllama_vector_width"
-"""A plain C function `matvec.cc` exports too: floats per vector register of the build's loops
-(16 with AVX-512, 8 with AVX2 and FMA, else 1)."""
+"""A plain C function the library exports too (attention.cc): floats per vector register of the
+build's loops (16 with AVX-512, 8 with AVX2 and FMA, else 1)."""
 
 
 def compiler() -> list[str] | None:
@@ -88,7 +95,7 @@ def flags(march: str | None = None) -> list[str]:
 
 PREFETCH_ENV = "JLLAMA_PREFETCH"
 """Environment variable: 1 makes the kernels stream their weights with non-temporal prefetches,
-0 with plain loads (default: 1 on AMD CPUs, 0 elsewhere; matvec.cc's JLLAMA_PREFETCH)."""
+0 with plain loads (default: 1 on AMD CPUs, 0 elsewhere; simd.h's JLLAMA_PREFETCH)."""
 
 
 def prefetch() -> int:
@@ -123,12 +130,12 @@ def _cpu_features() -> str:
 
 
 def library_path(cxx: list[str], march: str | None = None) -> Path:
-    """Where the library for this source, compiler, flags, jaxlib and CPU lives (built or
+    """Where the library for these sources, compiler, flags, jaxlib and CPU lives (built or
     not)."""
     import jaxlib
 
     key = hashlib.sha256()
-    sources = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    sources = b"".join(f.name.encode() + b"\0" + f.read_bytes() + b"\0" for f in FILES)
     for part in (sources, " ".join(flags(march)).encode(), " ".join(cxx).encode(),
                  jaxlib.__version__.encode(), _cpu_features().encode()):
         key.update(part)
@@ -143,7 +150,7 @@ def failure_path(library: Path) -> Path:
 
 def is_built() -> bool:
     """Whether `build` would return at once: a library already built, or a failure already
-    remembered for this source, compiler and flags (and not compile)."""
+    remembered for these sources, compiler and flags (and not compile)."""
     cxx = compiler()
     if cxx is None:
         return False
