@@ -40,8 +40,9 @@ class TurnStats:
       reused: leading tokens of prompt_ids already in the KV cache (not fed again).
       prefilled: tokens fed before the first sampled one (len(prompt_ids) - reused).
       generated_ids: the reply's tokens (the end-of-turn token not included).
-      stop_reason: "stop" (an end-of-generation token), "length" (max_tokens reached) or
-        "context" (seq_len reached).
+      stop_reason: "stop" (an end-of-generation token), "length" (max_tokens reached),
+        "context" (seq_len reached) or "interrupted" (the reply was abandoned: its iterator
+        closed before the end).
       generation: the underlying `Generation` (rates in `generation.stats`).
     """
 
@@ -90,6 +91,7 @@ class Conversation:
             self.messages.append({"role": "system", "content": system_prompt})
         self.cached_ids: list[int] = []
         self.last: TurnStats | None = None
+        self._generation_count = session.generations  # the session's count after our turn
 
     def encode(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
                ) -> list[int]:
@@ -126,6 +128,8 @@ class Conversation:
                 f"the conversation is {len(ids)} tokens with this message, and the context "
                 f"holds {self.seq_len} (seq_len)"
             )
+        if self.session.generations != self._generation_count:
+            self.cached_ids = []  # another generation overwrote the KV cache since our turn
         # At least the last prompt token is fed: its logits give the reply's first token.
         reused = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)
         room = self.seq_len - reused
@@ -133,6 +137,7 @@ class Conversation:
         steps = room if max_tokens < 1 else min(room, fed + max_tokens - 1)
         generation = self.session.generate(ids[reused:], sample, steps, start_pos=reused,
                                            context_ids=ids[:reused])
+        self._generation_count = self.session.generations
         self.messages = messages
         self.cached_ids = ids[:reused]
         stopped = False

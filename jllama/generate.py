@@ -171,13 +171,28 @@ class Generation:
         tokens (prompt_ids + generated_ids)[: end_pos - start_pos] went through the model."""
         self.stats = GenerationStats(prompt_tokens=min(len(self.prompt_ids), steps))
         self._started_at = started_at
+        self.finished = False
+        """True once iteration has ended (steps run out, a stop token, or an error)."""
+        self._superseded: str | None = None
         self._tokens = self._run(forward, sample, steps, frozenset(stop_ids), clock)
 
     def __iter__(self) -> Iterator[Token]:
-        return self._tokens
+        return self
 
     def __next__(self) -> Token:
-        return next(self._tokens)
+        if self._superseded is not None and not self.finished:
+            raise RuntimeError(self._superseded)
+        try:
+            return next(self._tokens)
+        except BaseException:
+            self.finished = True
+            raise
+
+    def supersede(self, why: str) -> None:
+        """Mark an unfinished generation as overtaken (another sequence now owns the model's
+        KV cache): iterating it further raises RuntimeError(why) instead of producing tokens
+        from the other sequence's keys and values."""
+        self._superseded = why
 
     def _run(self, forward, sample, steps, stop_ids, clock) -> Iterator[Token]:
         prompt = self.prompt_ids

@@ -191,7 +191,7 @@ def is_ggml(m) -> bool:
 
 
 MAX_PARTS = 4
-"""The most parts one kernel call takes (matvec.cc's kMaxParts)."""
+"""The most parts one kernel call takes (ggml_products.cc's kMaxParts)."""
 
 
 def stack_rows(matrices) -> GGMLMatrix | RowStack:

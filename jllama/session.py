@@ -74,6 +74,10 @@ class Session:
         self.device_sampling = device_sampling
         self.compile_ahead = compile_ahead
         self._loops_compiled: set[str] = set()
+        self.generations = 0
+        """Generations started so far: each one may overwrite the KV cache (a `Conversation`
+        notices another generation ran since its last turn and feeds itself again)."""
+        self._active: Generation | None = None
 
     @classmethod
     def prepare(cls, model, backend: str | Backend = "jax", *, decode: str = "auto",
@@ -109,8 +113,8 @@ class Session:
             from jllama.kernels.library import compiler, is_built
 
             if compiler() and not is_built():
-                say("building jllama's CPU kernels (once for this machine and compiler, a few "
-                    "seconds)")
+                say("building jllama's CPU kernels (once for this machine and compiler, about "
+                    "15 s)")
         placing = time.perf_counter()
         backend.prepare(model.config, model.weights)
         session = cls(model, backend, decode=decode, **options)
@@ -196,16 +200,33 @@ class Session:
           sample: what the host samples with instead of `sampler` itself (e.g. a
             `LogitsRecorder` around it).
 
+        One sequence owns the KV cache at a time: an earlier generation of this session that
+        has not finished cannot go on once this one starts (iterating it raises RuntimeError).
+
         Raises:
-          ValueError: no prompt, or steps out of range.
+          ValueError: no prompt, a prompt longer than the context, steps out of range, or
+            both steps and max_tokens.
           SamplerError: decode mode loop with a sampler it cannot run (`decode_mode`).
         """
         prompt_ids = [operator.index(t) for t in prompt_ids]
-        room = self.config.seq_len - start_pos
+        seq_len = self.config.seq_len
+        if not 0 <= start_pos < seq_len:
+            raise ValueError(f"start_pos={start_pos} must be in 0..{seq_len - 1} (seq_len - 1)")
+        room = seq_len - start_pos
+        if len(prompt_ids) > room:
+            raise ValueError(f"the prompt is {len(prompt_ids)} tokens, longer than the "
+                             f"{room} positions left in the context (seq_len={seq_len})")
+        if steps is not None and max_tokens is not None:
+            raise ValueError("give steps or max_tokens, not both")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be at least 1")
         if steps is None:
             steps = room if max_tokens is None else min(room, len(prompt_ids) + max_tokens - 1)
         if not 1 <= steps <= room:
             raise ValueError(f"steps={steps} must be in 1..{room} (seq_len - start_pos)")
+        if self._active is not None and not self._active.finished:
+            self._active.supersede("another generation of this Session started: it owns the "
+                                   "KV cache now (finish one generation before the next)")
         stop_ids = tuple(self.tokenizer.stop_ids)
         loop = None
         if self.decode_mode(sampler, host_logits) == "loop":
@@ -226,11 +247,13 @@ class Session:
         sample = sample if sample is not None else sampler
         if self.padded:
             sample = restrict_to_vocabulary(sample, self.tokenizer.vocab_size)
-        return Generation(
+        self.generations += 1
+        self._active = Generation(
             self.backend.forward, prompt_ids, sample, steps, stop_ids=stop_ids,
             start_pos=start_pos, prefill=prefill, decode_loop=loop, context_ids=context_ids,
             started_at=started_at,
         )
+        return self._active
 
     def encode(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:
         """`prompt` as token ids: a text encoded by the tokenizer (BOS added where the model
@@ -257,7 +280,7 @@ class Session:
           prompt: a text (encoded with `encode`) or token ids.
           sampler: a `Sampler`, its `SamplerConfig`, or None: `Sampler(**sampling)`.
           max_tokens: the most tokens to generate; None: until the context is full.
-          stop: stop strings (the text ends before the first one found).
+          stop: stop strings, or one (the text ends before the first one found).
           logprobs: top log-probs per token (0: the chosen token's only), None: none.
           cancelled: checked before each token; True ends the stream.
 
@@ -267,9 +290,17 @@ class Session:
           `generation` (ids, stats).
 
         Raises:
-          ValueError: a prompt longer than the context.
+          ValueError: a prompt longer than the context, logprobs not an integer >= 0.
+          TypeError: both a sampler and sampler settings.
           SamplerError: a sampler setting out of range.
         """
+        if sampler is not None and sampling:
+            raise TypeError(f"give a sampler or its settings ({', '.join(sampling)}), not both")
+        if isinstance(stop, str):
+            stop = [stop]  # one stop string, as OpenAI's API takes it
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or logprobs < 0):
+            raise ValueError(f"logprobs={logprobs!r} must be an integer >= 0 (or None)")
         ids = self.encode(prompt)
         sampler = self.sampler(sampler, **sampling)
         recorder = LogitsRecorder(sampler) if logprobs is not None else None
@@ -278,9 +309,10 @@ class Session:
         return Completion(generation, self.tokenizer, stop=stop, logprobs=logprobs,
                           recorder=recorder, cancelled=cancelled, generation=generation)
 
-    def text(self, prompt: str | Sequence[int], **options) -> str:
+    def text(self, prompt: str | Sequence[int], sampler: Sampler | SamplerConfig | None = None,
+             **options) -> str:
         """The whole completion of `prompt` as one string (`complete`'s arguments)."""
-        return "".join(piece.text for piece in self.complete(prompt, **options))
+        return "".join(piece.text for piece in self.complete(prompt, sampler, **options))
 
     def logits_fn(self, ctx: int):
         """`logits(tokens, start_pos, first) -> f32[len(tokens) - first, vocab_size]`, the
@@ -299,6 +331,10 @@ class Session:
         time: a new one, or any other generation, starts the cache again from position 0).
 
         Args:
+        A conversation owns the KV cache between its turns: when another generation of this
+        session ran since its last turn, its next turn feeds the whole conversation again.
+
+        Args:
           system_prompt: the first message's content, role "system" (None: the template's
             default).
           template: a `jllama.chat.ChatTemplate`; None: the model's own, with the
@@ -308,7 +344,11 @@ class Session:
           ChatError: the model has no chat template, or it does not compile.
         """
         from jllama.conversation import Conversation
+        from jllama.errors import ChatError
 
+        if template is None and not self.model.chat_template:
+            raise ChatError(f"{self.model.source} has no chat template: give one (a "
+                            "jllama.chat.ChatTemplate)")
         return Conversation(self, template=template, system_prompt=system_prompt)
 
 

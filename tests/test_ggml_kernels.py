@@ -223,7 +223,7 @@ def test_x8_layouts_are_permutations_that_round_trip(type_id):
     else:  # the same bytes
         assert np.array_equal(np.sort(packed.reshape(-1)), np.sort(data.reshape(-1)))
     assert np.array_equal(ggml_repack.unpack(packed, type_id + ggml_repack.X8), data)
-    # The kernels' own table (matvec.cc) is the same layout.
+    # The kernels' own table (ggml_products.cc) is the same layout.
     lib = ctypes.CDLL(kernels.load())
     pos = np.zeros(8 * nbytes, np.int32)
     assert lib.jllama_x8_positions(type_id, pos.ctypes.data_as(ctypes.c_void_p)) == 0

@@ -297,3 +297,51 @@ def test_chat_needs_a_template():
     session = Session(_model(), PlanningBackend())
     with pytest.raises(ChatError):
         session.chat()
+
+
+def test_a_generation_overtaken_by_another_cannot_go_on():
+    session = Session(_model(), PlanningBackend(), decode="graph")
+    first = session.complete([1, 310], temperature=0.0, max_tokens=20)
+    pieces = iter(first)
+    next(pieces)
+    assert session.text([1, 350], temperature=0.0, max_tokens=3)  # takes the KV cache
+    with pytest.raises(RuntimeError, match="another generation"):
+        list(pieces)
+    # A finished generation is not affected by later ones.
+    done = session.generate([1, 310], Sampler(temperature=0.0), 4)
+    ids = [t.id for t in done]
+    list(session.generate([1, 350], Sampler(temperature=0.0), 4))
+    assert ids == [310, 311, 312, 313] and done.finished
+
+
+def test_a_conversation_feeds_itself_again_after_another_generation():
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    backend = PlanningBackend()
+    session = Session(_model(seq_len=200, chat_template=template), backend, decode="graph")
+    chat, other = session.chat(), session.chat()
+    list(chat.say("Hi", Sampler(temperature=0.0), max_tokens=3))
+    list(other.say("Yo", Sampler(temperature=0.0), max_tokens=3))  # overwrites the cache
+    list(chat.say("Again", Sampler(temperature=0.0), max_tokens=3))
+    assert chat.last.reused == 0  # fed from position 0, not from the other's keys
+    list(chat.say("More", Sampler(temperature=0.0), max_tokens=3))
+    assert chat.last.reused > 0  # nothing ran in between: the cache is its own again
+
+
+def test_complete_takes_one_stop_string_and_refuses_what_it_cannot_do():
+    tok = _model().tokenizer
+    session = Session(_model(seq_len=32), PlanningBackend(), decode="graph")
+    cut = tok.decode([315], prev=314)
+    text = session.text([1, 310], temperature=0.0, max_tokens=10, stop=cut)
+    assert text == tok.decode(list(range(311, 315)), prev=310)
+    with pytest.raises(ValueError, match="longer than"):
+        session.complete(list(range(300, 340)), temperature=0.0)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            session.complete([1, 310], temperature=0.0, logprobs=bad)
+    with pytest.raises(TypeError, match="not both"):
+        session.complete([1, 310], Sampler(temperature=0.0), temperature=1.5)
+    with pytest.raises(ValueError, match="not both"):
+        session.generate([1, 310], Sampler(temperature=0.0), 10, max_tokens=3)
+    with pytest.raises(ValueError, match="start_pos=40"):
+        session.generate([1], Sampler(temperature=0.0), start_pos=40)

@@ -71,13 +71,14 @@ def main(argv: list[str]) -> int:
 _HELP = {"-h", "--help", "-help", "--helpshort", "-?"}
 _USAGE = """usage: jllama [--flag=value ...]
        jllama fetch NAME                      download a known model (smollm2) into the cache
-       jllama tokenize --prompt=TEXT [--pieces] [--parse_special] [--checkpoint=...]
+       jllama tokenize --prompt=TEXT [--pieces] [--parse_special] [--checkpoint=...|--tokenizer=FILE]
        jllama convert --checkpoint=SOURCE --output=FILE.bin [--llama2c_version=1|2|0]
        jllama serve [--checkpoint=...] [--host=127.0.0.1] [--port=8080]   OpenAI-compatible API
        jllama perplexity --file=TEXT [--ctx=512] [--chunks=N] [--checkpoint=...]
                                               PPL of a text, as llama.cpp's llama-perplexity
 
-Generates text with a Llama model from a llama2.c checkpoint or a GGUF file.
+Generates text with a Llama model from a llama2.c checkpoint, a GGUF file or a Hugging Face
+folder.
 With no flags it tells a story from the embedded stories260K model, as llama2.c's run does.
 
   jllama --temperature=0 --steps=200         greedy: the same story every time

@@ -16,8 +16,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string(
     "checkpoint",
     None,
-    "Model file: a llama2.c checkpoint (.bin, version 0) or a GGUF file (.gguf), or the name "
-    "of a fetched model (smollm2). Default: the embedded stories260K.",
+    "Model: a llama2.c checkpoint (.bin, versions 0, 1, 2), a GGUF file (.gguf), a Hugging "
+    "Face folder (config.json + safetensors), or the name of a fetched model (smollm2). "
+    "Default: the embedded stories260K.",
 )
 flags.DEFINE_string(
     "tokenizer",

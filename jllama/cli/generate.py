@@ -123,7 +123,8 @@ def main(options: Options) -> int:
         out.flush()
     if echo:
         write_raw(out, text.prompt)
-    out.write(decoder.flush() + "\n")
+    # --steps cutting a character leaves its first bytes: they print nothing, as in a stream.
+    out.write(decoder.flush(drop_incomplete=True) + "\n")
     out.flush()
     if speak:
         print(rates(generation.stats) + _startup(generation.stats, programs), file=sys.stderr)
