@@ -227,6 +227,25 @@ def test_completion_logprobs_equal_the_numpy_reference(client, model):
     assert "".join(got.logprobs.tokens) == got.text
 
 
+def test_text_offsets_count_from_the_start_of_the_completion_when_streamed_too(client):
+    """text_offset[i] is where token i starts in the completion's text: each token's text
+    stands there (this completion is ASCII), and a stream's chunks carry the same offsets."""
+    whole = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0
+    ).choices[0]
+    tokens, offsets = whole.logprobs.tokens, whole.logprobs.text_offset
+    assert whole.text.isascii() and len(tokens) == 12
+    for token, at in zip(tokens, offsets):
+        assert whole.text[at:at + len(token)] == token
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    streamed = []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                           temperature=0, logprobs=0, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.text_offset
+    assert streamed == offsets
+
+
 # --------------------------------------------------------------------------------------------
 # Concurrency.
 

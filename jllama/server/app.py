@@ -12,6 +12,7 @@ wrong method, 413 for a body over the limit, 503 when the queue is full.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import secrets
 import time
@@ -190,9 +191,11 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
+                before = _TextOffsets()  # the completion so far, for text_offset
                 async for event in _events(job):
                     if isinstance(event, Text):
-                        yield chunk(event.text, _completion_logprobs(event.logprobs, body), None)
+                        logprobs = _completion_logprobs(event.logprobs, body, before)
+                        yield chunk(event.text, logprobs, None)
                     else:
                         yield chunk("", None, event.finish_reason)
                         if body.include_usage:
@@ -342,15 +345,33 @@ def _chat_logprobs(items: list[TokenLogprob], body: ChatCompletionRequest) -> di
     }
 
 
-def _completion_logprobs(items: list[TokenLogprob], body: CompletionRequest) -> dict | None:
+class _TextOffsets:
+    """Characters of a completion so far, decoding its tokens' bytes as they come (invalid
+    bytes count as one U+FFFD each, as in the text; a character still missing bytes counts
+    once it is whole)."""
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def add(self, data: list[int]) -> int:
+        """The offset of a token with bytes `data` (where its first character starts)."""
+        at = self.chars
+        self.chars += len(self._decoder.decode(bytes(data)))
+        return at
+
+
+def _completion_logprobs(items: list[TokenLogprob], body: CompletionRequest,
+                         before: _TextOffsets | None = None) -> dict | None:
     """OpenAI's legacy completions `logprobs`: tokens, token_logprobs, top_logprobs (a dict per
-    token), text_offset (characters from the start of the completion)."""
+    token), text_offset (characters from the start of the completion to the character the
+    token's first byte belongs to, counted in the text as decoded, not in the U+FFFD a token
+    holding part of a character shows as). `before`: the completion's bytes before `items`
+    (a stream's earlier chunks), taken on here."""
     if body.logprobs is None:
         return None
-    offsets, at = [], 0
-    for item in items:
-        offsets.append(at)
-        at += len(item.token)
+    before = _TextOffsets() if before is None else before
+    offsets = [before.add(item.bytes) for item in items]
     return {
         "tokens": [item.token for item in items],
         "token_logprobs": [item.logprob for item in items],
