@@ -5,6 +5,7 @@ editing, Ctrl-C stopping only the reply)."""
 from __future__ import annotations
 
 import ast
+import gzip
 import os
 import pty
 import select
@@ -13,7 +14,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import TOKENIZER_32K, load_json
+from conftest import DATA, TOKENIZER_32K, load_json
 from test_cli import REPO, jllama_command, run
 
 ORACLE = load_json("encode_llama2c.json")
@@ -30,14 +31,28 @@ def test_tokenize_with_a_tokenizer_file_alone_gives_run_c_ids(tmp_path):
         assert ast.literal_eval(done.stdout.strip()) == case["ids"], case["text"]
 
 
+def test_a_vocab_only_gguf_tokenizes_as_llama_cpp_as_tokenizer_or_checkpoint(tmp_path):
+    vocab = tmp_path / "ggml-vocab-llama-bpe.gguf"
+    vocab.write_bytes(gzip.decompress((DATA / "ggml-vocab-llama-bpe.gguf.gz").read_bytes()))
+    cases = (DATA / "ggml-vocab-llama-bpe.gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+    wants = (DATA / "ggml-vocab-llama-bpe.gguf.out").read_text().split("\n")
+    i = cases.index("Hello world")
+    for flag in ("--tokenizer", "--checkpoint"):
+        done = run("tokenize", f"{flag}={vocab}", "--prompt=Hello world")
+        assert done.returncode == 0, done.stderr
+        # llama.cpp's .out lines leave out the BOS (128000) that llama-tokenize adds.
+        assert ast.literal_eval(done.stdout.strip()) == [128000] + [int(t) for t in wants[i].split()]
+
+
 def test_a_preset_flagfile_works_from_any_folder(tmp_path):
     greedy = run("--temperature=0", "--steps=40")
-    elsewhere = subprocess.run(
-        jllama_command() + ["--flagfile=configs/greedy.flags", "--steps=40"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )
-    assert elsewhere.returncode == 0, elsewhere.stderr
-    assert elsewhere.stdout == greedy.stdout
+    for form in (["--flagfile=configs/greedy.flags"], ["--flagfile", "configs/greedy.flags"]):
+        elsewhere = subprocess.run(
+            jllama_command() + form + ["--steps=40"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )
+        assert elsewhere.returncode == 0, elsewhere.stderr
+        assert elsewhere.stdout == greedy.stdout
 
 
 def test_top_k_at_or_below_zero_is_off_as_in_llama_cpp():

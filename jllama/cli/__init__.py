@@ -98,6 +98,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if "--helpfull" in argv[1:]:
         _print_and_exit(FLAGS.get_help())
     argv = [argv[0]] + [_preset(arg) for arg in argv[1:]]
+    for i in range(1, len(argv) - 1):  # `--flagfile PATH`, as absl also takes it
+        if argv[i] in ("--flagfile", "-flagfile"):
+            argv[i:i + 2] = _preset(f"{argv[i]}={argv[i + 1]}").split("=", 1)
     for arg in argv[1:]:
         # A FIFO given as a flagfile would block absl's read forever: refuse it up front.
         if arg.startswith(("--flagfile=", "-flagfile=")):

@@ -19,14 +19,20 @@ def fetch(options: Options, args: list[str]) -> int:
 
 
 def tokenize(options: Options) -> int:
-    """The prompt's ids (--pieces: each with its text): the tokenizer of --checkpoint, or
-    --tokenizer alone when no checkpoint is given (as llama.cpp's llama-tokenize needs only a
-    vocabulary, a vocab-only GGUF included)."""
+    """The prompt's ids (--pieces: each with its text): the tokenizer of --checkpoint (a GGUF's
+    header alone), or --tokenizer alone when no checkpoint is given (as llama.cpp's
+    llama-tokenize needs only a vocabulary, a vocab-only GGUF included)."""
     m, text = options.model, options.text
-    if m.checkpoint is None and m.tokenizer is not None:
-        from jllama.tokenizers.files import open_tokenizer
+    from jllama.fetch import resolve_checkpoint
+    from jllama.formats.gguf import is_gguf
+    from jllama.tokenizers.files import open_tokenizer
 
+    if m.checkpoint is None and m.tokenizer is not None:
         tokenizer = open_tokenizer(m.tokenizer)
+    elif m.checkpoint is not None and m.tokenizer is None and is_gguf(
+            resolve_checkpoint(m.checkpoint)):
+        # A GGUF's vocabulary is in its header: no tensors read (a vocab-only file works).
+        tokenizer = open_tokenizer(resolve_checkpoint(m.checkpoint))
     else:
         from jllama.loading import open_model
 
