@@ -151,7 +151,9 @@ def resolve_mode(mode: str, backend) -> str:
     Raises:
       ValueError: "batched" for a backend without `prefill`.
     """
-    has = callable(getattr(backend, "prefill", None))
+    from jllama.backends.base import Prefill
+
+    has = isinstance(backend, Prefill)
     if mode == "auto":
         return "batched" if has else "token"
     if mode == "batched" and not has:
@@ -165,7 +167,7 @@ def warm_up(backend, mode: str, lengths: list[int], last_pos: int, seq_len: int)
     if backend.name == "jax":
         from jllama.graphs import attention_window
 
-        loop = getattr(backend, "decode", None) == "loop"
+        loop = backend.decode == "loop"  # the jax backend's mode
         if loop:
             backend.compile_loop("greedy")
         seen = {attention_window(seq_len, 0)}
@@ -241,7 +243,7 @@ def measure(args: argparse.Namespace) -> dict:
         limit_cpu_threads(args.threads)  # before JAX starts its CPU client
     from jllama.backends import make_backend
     from jllama.loading import open_model
-    from jllama.weights import TransformerWeights, weights_dtype
+    from jllama.weights import weights_dtype
 
     out: dict = {}
     compiles = _count_compiles()
@@ -261,8 +263,9 @@ def measure(args: argparse.Namespace) -> dict:
     out["prefill_mode"] = mode
 
     # The numpy backend widens bfloat16 to float32 in prepare: count what it actually reads.
-    held = getattr(backend, "weights", None)
-    held = held if isinstance(held, TransformerWeights) else model.weights
+    from jllama.backends.numpy_ref import NumpyBackend
+
+    held = backend.weights if isinstance(backend, NumpyBackend) else model.weights
     out["weights_dtype"] = weights_dtype(held)
     out["weights_mb_per_token"] = streamed_bytes_per_token(held) / 1e6
     out["seq_len"] = config.seq_len
@@ -275,7 +278,9 @@ def measure(args: argparse.Namespace) -> dict:
         warm_up(backend, mode, fitting, last_pos, config.seq_len) if args.warmup == "windows" else 0.0
     )
     # After the warm-up: the loop decode mode compiles its first program there.
-    out["compile_s"] = float(getattr(backend, "compile_seconds", 0.0))
+    from jllama.backends.base import CompilePlanning
+
+    out["compile_s"] = float(backend.compile_seconds) if isinstance(backend, CompilePlanning) else 0.0
 
     skipped = {}
     for i, length in enumerate(lengths):

@@ -25,6 +25,7 @@ import numpy as np
 from jllama.backends import make_backend
 from jllama.config import ModelConfig
 from jllama.formats.llama2c import read_checkpoint
+from jllama.backends.base import Prefill
 from jllama.generate import Generation
 from jllama.sampling import Sampler
 from jllama.sharding import device_memory, qkv_row_order
@@ -71,7 +72,7 @@ COLLECTIVE = re.compile(
 def run_tokens(backend, prompt, steps, prefill: bool):
     gen = Generation(
         backend.forward, prompt, Sampler(temperature=0.0), steps,
-        prefill=backend.prefill if prefill and hasattr(backend, "prefill") else None,
+        prefill=backend.prefill if prefill and isinstance(backend, Prefill) else None,
     )
     list(gen)
     return gen.generated_ids
