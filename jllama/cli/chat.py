@@ -29,7 +29,10 @@ def main(session, sampler, text: TextOptions) -> int:
     interactive = sys.stdin.isatty()
     editing = interactive and sys.stdout.isatty()
     if editing:
-        import readline  # noqa: F401  (input() then edits lines and keeps a history)
+        import readline  # input() then edits lines and keeps a history
+
+        if text.prompt:
+            readline.add_history(text.prompt)  # the first message, under the up arrow too
     if interactive:
         say("chat mode: type a message and press Enter (end a line with \\ to go on to the "
             "next; Ctrl-C stops a reply, Ctrl-D ends the chat)")
@@ -83,7 +86,8 @@ def read_message(interactive: bool, editing: bool = False) -> str | None:
         if editing:
             try:
                 line = input(prompt) + "\n"
-            except EOFError:
+            except EOFError:  # Ctrl-D: end the prompt's line before the program goes on
+                print(file=sys.stderr)
                 line = ""
         else:
             if interactive:
