@@ -26,9 +26,10 @@ import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from jllama import runtime
-from jllama.backends import make_backend
-from jllama.backends.base import Backend, CompilePlanning, Described, Prefill, PrefillLogits
+from jllama.backends import prepared_backend
+from jllama.backends.base import (
+    Backend, CompilePlanning, Described, Prefill, PrefillLogits, SlotCaches,
+)
 from jllama.device_loop import DECODE_MODES, LoopDecoder, decode_mode
 from jllama.errors import JllamaError
 from jllama.generate import Generation
@@ -38,6 +39,21 @@ from jllama.streaming import Completion, LogitsRecorder, Text
 PREFILL_MODES = ("chunked", "token")
 """chunked: a prompt goes through the backend's batched `prefill` where it has one; token: one
 position at a time, as run.c."""
+
+
+class Slot:
+    """One sequence's KV cache among several of a `Session` (`Session.new_slot`).
+
+    Attributes:
+      caches: the backend's caches for it (`SlotCaches.new_caches`).
+      active: the last `Generation` started in it, or None.
+      generations: how many were started in it.
+    """
+
+    def __init__(self, caches):
+        self.caches = caches
+        self.active: Generation | None = None
+        self.generations = 0
 
 
 class Session:
@@ -74,57 +90,28 @@ class Session:
         self.device_sampling = device_sampling
         self.compile_ahead = compile_ahead
         self._loops_compiled: set[str] = set()
-        self.generations = 0
-        """Generations started so far: each one may overwrite the KV cache (a `Conversation`
-        notices another generation ran since its last turn and feeds itself again)."""
-        self._active: Generation | None = None
+        self._default_slot = Slot(None)  # the caches `prepare` made: its `caches` once swapped
+        self._current = self._default_slot
+        self._slotted = False
 
     @classmethod
     def prepare(cls, model, backend: str | Backend = "jax", *, decode: str = "auto",
                 matvec: str = "auto", devices: int = 1, say: Callable[[str], None] | None = None,
                 **options) -> Session:
-        """Make (from its name) and prepare the backend for `model`, then the session.
-
-        Args:
-          model: as `Session`.
-          backend: a backend's name (`jllama.backends.backend_names`) or an unprepared one.
-          decode, matvec, devices: the jax backend's settings (ignored for another named
-            backend): decode "fused" makes the one-program decode, the others the per-layer
-            programs; devices > 1 splits the model tensor-parallel.
-          say: takes lines for the user (the kernels' build, the backend's notes); None:
-            they are not said.
-          **options: the other `Session` arguments (prefill, device_sampling, compile_ahead).
-
-        Raises:
-          ResourceError: the KV cache does not fit in the host's memory (CPU backends).
-          BackendError, ShardingError, ValueError: from the backend (see `make_backend`).
-        """
-        if isinstance(backend, str):
-            settings = {}
-            if backend == "jax":
-                settings = {"decode": "fused" if decode == "fused" else "graph", "matvec": matvec}
-                if devices > 1:
-                    settings["devices"] = devices
-            backend = make_backend(backend, **settings)
-        on_cpu = not isinstance(backend, Described) or backend.platform == "cpu"
-        if on_cpu:
-            runtime.check_kv_cache_fits(model.config)
-        if say is not None and on_cpu and devices == 1 and matvec != "xla" and backend.name == "jax":
-            from jllama.kernels.library import compiler, is_built
-
-            if compiler() and not is_built():
-                say("building jllama's CPU kernels (once for this machine and compiler, about "
-                    "15 s)")
-        placing = time.perf_counter()
-        backend.prepare(model.config, model.weights)
+        """The backend (a name or an unprepared one) prepared for `model` by
+        `jllama.backends.prepared_backend` (its arguments and errors: decode, matvec, devices,
+        say), then the session (**options: prefill, device_sampling, compile_ahead); `say`
+        also gets the backend's notes."""
+        started = time.perf_counter()
+        backend = prepared_backend(model, backend, decode=decode, matvec=matvec,
+                                   devices=devices, say=say)
         session = cls(model, backend, decode=decode, **options)
         # prepare's time less its warm-up (the compile) is placing the weights on the device.
-        session.place_seconds = time.perf_counter() - placing - session.compile_seconds
+        session.place_seconds = time.perf_counter() - started - session.compile_seconds
         if say is not None and isinstance(backend, Described):
             for note in backend.notes():
                 say(f"note: {note}")
         return session
-
     @classmethod
     def open(cls, checkpoint=None, tokenizer=None, *, seq_len: int | None = None,
              dtype: str | None = None, **options) -> Session:
@@ -135,6 +122,46 @@ class Session:
 
         return cls.prepare(open_model(checkpoint, tokenizer, seq_len=seq_len, dtype=dtype),
                            **options)
+
+    @property
+    def generations(self) -> int:
+        """Generations started so far on the default slot (the backend's own KV cache): each
+        may overwrite it (a `Conversation` notices another generation ran since its last turn
+        and feeds itself again)."""
+        return self._default_slot.generations
+
+    def new_slot(self) -> Slot:
+        """A KV cache for one more sequence: `generate(..., slot=...)` runs there, beside the
+        others, each generation switching to its own before every backend call (nothing is
+        copied: `SlotCaches`).
+
+        Raises:
+          BackendError: a backend that keeps one sequence's cache only.
+        """
+        from jllama.errors import BackendError
+
+        if not isinstance(self.backend, SlotCaches):
+            raise BackendError(f"the {self.backend.name} backend keeps one sequence's KV cache; "
+                               "several sequences need one with SlotCaches (jax, numpy)")
+        self._slotted = True
+        return Slot(self.backend.new_caches())
+
+    def _use(self, slot: Slot) -> None:
+        """Make `slot`'s caches the backend's (a no-op when they are)."""
+        if slot is not self._current:
+            self._current.caches = self.backend.use_caches(slot.caches)
+            self._current = slot
+
+    def _bound(self, slot: Slot, call):
+        """`call` that first switches the backend to `slot`'s caches (several slots only)."""
+        if not self._slotted:
+            return call
+
+        def on_slot(*args, **kwargs):
+            self._use(slot)
+            return call(*args, **kwargs)
+
+        return on_slot
 
     place_seconds = 0.0
     """Seconds `prepare` spent converting and placing the weights (its compile not counted)."""
@@ -182,7 +209,8 @@ class Session:
                  steps: int | None = None, *, max_tokens: int | None = None,
                  start_pos: int = 0, context_ids: Sequence[int] = (),
                  started_at: float | None = None, host_logits: bool = False,
-                 sample: Callable[..., int] | None = None) -> Generation:
+                 sample: Callable[..., int] | None = None, slot: Slot | None = None
+                 ) -> Generation:
         """A `Generation` of `prompt_ids` from `start_pos`, its programs compiled.
 
         Args:
@@ -199,8 +227,10 @@ class Session:
           host_logits: the caller reads each token's logits (log-probs): never the device loop.
           sample: what the host samples with instead of `sampler` itself (e.g. a
             `LogitsRecorder` around it).
+          slot: the `Slot` (from `new_slot`) whose KV cache the generation runs in; None: the
+            backend's own.
 
-        One sequence owns the KV cache at a time: an earlier generation of this session that
+        One sequence owns a KV cache at a time: an earlier generation in the same slot that
         has not finished cannot go on once this one starts (iterating it raises RuntimeError).
 
         Raises:
@@ -224,9 +254,11 @@ class Session:
             steps = room if max_tokens is None else min(room, len(prompt_ids) + max_tokens - 1)
         if not 1 <= steps <= room:
             raise ValueError(f"steps={steps} must be in 1..{room} (seq_len - start_pos)")
-        if self._active is not None and not self._active.finished:
-            self._active.supersede("another generation of this Session started: it owns the "
-                                   "KV cache now (finish one generation before the next)")
+        slot = self._default_slot if slot is None else slot
+        if slot.active is not None and not slot.active.finished:
+            slot.active.supersede("another generation started in this KV cache (the Session's "
+                                  "slot): it owns it now (finish one generation before the next)")
+        self._use(slot)
         stop_ids = tuple(self.tokenizer.stop_ids)
         loop = None
         if self.decode_mode(sampler, host_logits) == "loop":
@@ -247,13 +279,15 @@ class Session:
         sample = sample if sample is not None else sampler
         if self.padded:
             sample = restrict_to_vocabulary(sample, self.tokenizer.vocab_size)
-        self.generations += 1
-        self._active = Generation(
-            self.backend.forward, prompt_ids, sample, steps, stop_ids=stop_ids,
-            start_pos=start_pos, prefill=prefill, decode_loop=loop, context_ids=context_ids,
-            started_at=started_at,
+        slot.generations += 1
+        slot.active = Generation(
+            self._bound(slot, self.backend.forward), prompt_ids, sample, steps,
+            stop_ids=stop_ids, start_pos=start_pos,
+            prefill=None if prefill is None else self._bound(slot, prefill),
+            decode_loop=None if loop is None else self._bound(slot, loop),
+            context_ids=context_ids, started_at=started_at,
         )
-        return self._active
+        return slot.active
 
     def encode(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:
         """`prompt` as token ids: a text encoded by the tokenizer (BOS added where the model
@@ -273,7 +307,7 @@ class Session:
     def complete(self, prompt: str | Sequence[int], sampler: Sampler | SamplerConfig | None = None,
                  *, max_tokens: int | None = None, stop: Sequence[str] = (),
                  logprobs: int | None = None, cancelled: Callable[[], bool] | None = None,
-                 **sampling) -> Completion:
+                 slot: Slot | None = None, start_pos: int = 0, **sampling) -> Completion:
         """A raw completion of `prompt` as streamed text (`jllama.streaming.Completion`).
 
         Args:
@@ -283,6 +317,8 @@ class Session:
           stop: stop strings, or one (the text ends before the first one found).
           logprobs: top log-probs per token (0: the chosen token's only), None: none.
           cancelled: checked before each token; True ends the stream.
+          slot, start_pos: as `generate` (prompt ids from start_pos, the positions before it
+            kept in the slot's cache: a prefix shared with what it held).
 
         Returns:
           a `Completion`: iterate it for `Text` pieces; then its `finish_reason` ("stop" for
@@ -304,8 +340,9 @@ class Session:
         ids = self.encode(prompt)
         sampler = self.sampler(sampler, **sampling)
         recorder = LogitsRecorder(sampler) if logprobs is not None else None
-        generation = self.generate(ids, sampler, max_tokens=max_tokens,
-                                   host_logits=logprobs is not None, sample=recorder)
+        generation = self.generate(ids[start_pos:], sampler, max_tokens=max_tokens,
+                                   host_logits=logprobs is not None, sample=recorder,
+                                   slot=slot, start_pos=start_pos, context_ids=ids[:start_pos])
         return Completion(generation, self.tokenizer, stop=stop, logprobs=logprobs,
                           recorder=recorder, cancelled=cancelled, generation=generation)
 
@@ -352,4 +389,4 @@ class Session:
         return Conversation(self, template=template, system_prompt=system_prompt)
 
 
-__all__ = ["PREFILL_MODES", "Session", "Text"]
+__all__ = ["PREFILL_MODES", "Session", "Slot", "Text"]

@@ -39,4 +39,41 @@ def make_backend(name: str, **options) -> Backend:
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
 
 
-__all__ = ["Backend", "backend_names", "make_backend"]
+def prepared_backend(model, backend: str | Backend = "jax", *, decode: str = "graph",
+                     matvec: str = "auto", devices: int = 1, say=None) -> Backend:
+    """`backend` (a name, or an unprepared backend) prepared for `model` (a
+    `jllama.loading.Model`): the KV cache checked against the host's memory first (CPU
+    backends), the kernels' build announced through `say` when it is about to happen.
+
+    Args:
+      decode, matvec, devices: the jax backend's settings (ignored for another name): decode
+        "fused" makes the one-program decode, any other the per-layer programs.
+      say: takes lines for the user; None: nothing is said.
+
+    Raises:
+      ResourceError: the KV cache does not fit in the memory available.
+      BackendError, ShardingError, ValueError: from the backend (see `make_backend`).
+    """
+    from jllama import runtime
+    from jllama.backends.base import Described
+
+    if isinstance(backend, str):
+        settings = {}
+        if backend == "jax":
+            settings = {"decode": "fused" if decode == "fused" else "graph", "matvec": matvec}
+            if devices > 1:
+                settings["devices"] = devices
+        backend = make_backend(backend, **settings)
+    on_cpu = not isinstance(backend, Described) or backend.platform == "cpu"
+    if on_cpu:
+        runtime.check_kv_cache_fits(model.config)
+    if say is not None and on_cpu and devices == 1 and matvec != "xla" and backend.name == "jax":
+        from jllama.kernels.library import compiler, is_built
+
+        if compiler() and not is_built():
+            say("building jllama's CPU kernels (once for this machine and compiler, about 15 s)")
+    backend.prepare(model.config, model.weights)
+    return backend
+
+
+__all__ = ["Backend", "backend_names", "make_backend", "prepared_backend"]

@@ -13,6 +13,7 @@ with `isinstance` (each is `runtime_checkable`) and uses what is there:
   DeviceLoop       a chunk of tokens sampled on the device per call
   CompilePlanning  compiling a generation's programs before it starts
   Described        its platform, and notes on what `prepare` chose
+  SlotCaches       more than one sequence's KV cache, switched between without copies
 """
 
 from __future__ import annotations
@@ -120,6 +121,23 @@ class Described(Protocol):
         widened weights, parts not split over devices); empty when there are none."""
         ...
 
+
+
+@runtime_checkable
+class SlotCaches(Protocol):
+    """A backend that keeps several sequences' KV caches and runs on whichever is in use:
+    `forward`, `prefill`, `decode_loop` and `compile_for` read and write the caches last given
+    to `use_caches` (or the ones `prepare` made). Switching copies nothing."""
+
+    def new_caches(self) -> object:
+        """A zeroed KV cache for one more sequence (after `prepare`), in the backend's own
+        layout; allocated lazily where the backend can."""
+        ...
+
+    def use_caches(self, caches: object) -> object:
+        """Run on `caches` (from `new_caches`, or returned by an earlier call) from now on;
+        returns the caches in use before."""
+        ...
 
 def check_token_pos(config: ModelConfig, token: int, pos: int) -> tuple[int, int]:
     """`(token, pos)` as Python ints.

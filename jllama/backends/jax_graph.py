@@ -210,6 +210,7 @@ class JaxGraphBackend(CompilePlan):
         # program ever copies a window out of a larger cache.
         self.block_length = graphs.block_length(config.seq_len)
         where = self.device if tp is None else tp.by_head  # split by KV head
+        self._cache_place = (where, tp is None)  # for new_caches: device, lazily allocated
         self.key_cache, self.value_cache, self._zero_block = layer_caches(
             config, len(self.layers), where, lazy=tp is None
         )
@@ -258,6 +259,25 @@ class JaxGraphBackend(CompilePlan):
             self.device = self.tensor_parallel.mesh.devices.flat[0]
         self._programs = sharded_programs(self.tensor_parallel.mesh)
         self._shards = self.devices
+
+    def new_caches(self) -> tuple[list, list]:
+        """(key_cache, value_cache) for one more sequence (`SlotCaches`), laid out as
+        `prepare`'s: per layer, blocks allocated the first time they are read (on one device).
+
+        Raises:
+          RuntimeError: before `prepare`.
+        """
+        config = self._prepared("new_caches")
+        where, lazy = self._cache_place
+        keys, values, _ = layer_caches(config, len(self.layers), where, lazy=lazy)
+        return keys, values
+
+    def use_caches(self, caches: tuple[list, list]) -> tuple[list, list]:
+        """Run on `caches` (`SlotCaches`); returns the (key_cache, value_cache) in use before.
+        The programs update the lists in place, so a sequence's caches stay its own."""
+        previous = self.key_cache, self.value_cache
+        self.key_cache, self.value_cache = caches
+        return previous
 
     @property
     def platform(self) -> str:

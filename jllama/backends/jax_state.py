@@ -62,6 +62,7 @@ class JaxState:
     key_cache: list
     value_cache: list
     _zero_block: jax.Array
+    _cache_place: tuple
     _compiled: set
 
     def _prepared(self, method: str) -> ModelConfig:

@@ -212,6 +212,21 @@ class NumpyBackend:
         self.cache = KVCache.zeros(config)
         self.inv_freq = rope_frequencies(config)
 
+    def new_caches(self) -> KVCache:
+        """A zeroed `KVCache` for one more sequence (`SlotCaches`).
+
+        Raises:
+          RuntimeError: before `prepare`.
+        """
+        if self.config is None:
+            raise RuntimeError("NumpyBackend.new_caches called before prepare")
+        return KVCache.zeros(self.config)
+
+    def use_caches(self, caches: KVCache) -> KVCache:
+        """Run on `caches` (`SlotCaches`); returns the cache in use before."""
+        previous, self.cache = self.cache, caches
+        return previous
+
     def forward(self, token: int, pos: int) -> np.ndarray:
         """Logits f32[vocab_size] for `token` at `pos` (see `jllama.backends.base.Backend`)."""
         if self.config is None:

@@ -1,0 +1,224 @@
+"""Many requests at once over one Session: slots, admission, round-robin steps, prefix reuse.
+
+A `Scheduler` holds `n_slots` KV caches (`Session.new_slot`). Requests wait in a first-in,
+first-out queue and are admitted into free slots; each `step` advances every running request
+by one piece of text (`jllama.streaming.Completion`: usually one token), in slot order, so a
+new request's first token waits for one round of the others rather than for them to finish.
+A request that ends (a stop token or string, max_tokens, the context, cancelled) frees its
+slot at once for the next one.
+
+Prefix reuse: a slot keeps the tokens whose keys and values it holds after its request ends.
+A request admitted into the free slot holding the longest common prefix with its prompt feeds
+only the rest (llama.cpp's `cache_prompt`, vLLM's prefix caching); `Stream.cached_tokens` says
+how many were reused (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
+
+Each request runs its own `Generation` in its own slot, with its own sampler and random
+state, and the same backend calls as alone: its tokens are the same alone or beside others,
+bit for bit (the decode steps are still one sequence at a time; a batched step that reads the
+weights once for all slots is the next piece of work, issue 20).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+
+from jllama.conversation import common_prefix_length
+from jllama.sampling import Sampler, SamplerConfig
+from jllama.streaming import Text
+
+
+@dataclasses.dataclass
+class Request:
+    """One completion to run.
+
+    Attributes:
+      prompt_ids: the prompt, tokens (BOS included when wanted), 1 <= len <= seq_len.
+      sampler: its settings (a None seed: from the clock when it starts) or a `Sampler`.
+      max_tokens: the most tokens to generate; None: until the context is full.
+      stop: stop strings.
+      logprobs: top log-probs per token (0: the chosen token's only), None: none.
+    """
+
+    prompt_ids: Sequence[int]
+    sampler: SamplerConfig | Sampler = dataclasses.field(default_factory=SamplerConfig)
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+    logprobs: int | None = None
+
+
+class Stream:
+    """A submitted request's progress.
+
+    Attributes:
+      request: the `Request`.
+      pieces: the `Text` pieces released so far, in order.
+      finish_reason: None while it runs or waits; then "stop", "length" or "cancelled".
+      cached_tokens: prompt tokens reused from the slot's cache (not fed again).
+      generated_ids: the tokens generated (once started).
+    """
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.pieces: list[Text] = []
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+        self._cancelled = False
+        self._completion = None
+        self._iterator: Iterator[Text] | None = None
+        self._slot = None
+
+    @property
+    def text(self) -> str:
+        """The text released so far."""
+        return "".join(piece.text for piece in self.pieces)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        if self._completion is None:
+            return []
+        return list(self._completion.generation.generated_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """Stop at the next step (a waiting request never starts); frees its slot then."""
+        self._cancelled = True
+
+
+class Scheduler:
+    """Requests over the slots of one `Session`, advanced in rounds.
+
+    Args:
+      session: the `jllama.session.Session` (its backend must have `SlotCaches`).
+      n_slots: KV caches, i.e. requests running at once (>= 1).
+      reuse_prefix: admit a request into the free slot sharing the longest prefix with its
+        prompt and feed only the rest.
+      on_piece: called with (stream, piece) for each `Text` as it is released, and with
+        (stream, None) when the stream ends.
+
+    Raises:
+      BackendError: a backend without `SlotCaches`.
+      ValueError: n_slots < 1.
+    """
+
+    def __init__(self, session, n_slots: int = 4, reuse_prefix: bool = True,
+                 on_piece: Callable[[Stream, Text | None], None] | None = None):
+        if n_slots < 1:
+            raise ValueError(f"n_slots={n_slots} must be at least 1")
+        self.session = session
+        self._free = [(session.new_slot(), []) for _ in range(n_slots)]
+        self._running: list[Stream] = []
+        self._waiting: collections.deque[Stream] = collections.deque()
+        self._reuse = reuse_prefix
+        self._on_piece = on_piece
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, request: Request) -> Stream:
+        """Queue `request`; it starts at a step with a free slot.
+
+        Raises:
+          ValueError: an empty prompt, or one longer than the context.
+        """
+        seq_len = self.session.config.seq_len
+        if not 1 <= len(request.prompt_ids) <= seq_len:
+            raise ValueError(f"the prompt is {len(request.prompt_ids)} tokens; it must hold "
+                             f"1 .. {seq_len} (seq_len)")
+        stream = Stream(request)
+        self._waiting.append(stream)
+        return stream
+
+    def step(self) -> int:
+        """Admit waiting requests into free slots, then advance each running one by a piece
+        (or end it). Returns how many are still running or waiting."""
+        self._admit()
+        for stream in list(self._running):
+            if stream._cancelled:
+                self._finish(stream, "cancelled")
+                continue
+            try:
+                piece = next(stream._iterator)
+            except StopIteration:
+                self._finish(stream, stream._completion.finish_reason)
+                continue
+            stream.pieces.append(piece)
+            if self._on_piece is not None:
+                self._on_piece(stream, piece)
+        return len(self._running) + len(self._waiting)
+
+    def run(self) -> None:
+        """Step until nothing runs or waits."""
+        while self.step():
+            pass
+
+    def _admit(self) -> None:
+        while self._waiting and self._free:
+            stream = self._waiting.popleft()
+            if stream._cancelled:
+                stream.finish_reason = "cancelled"
+                if self._on_piece is not None:
+                    self._on_piece(stream, None)
+                continue
+            ids = list(stream.request.prompt_ids)
+            best = max(range(len(self._free)),
+                       key=lambda i: common_prefix_length(self._free[i][1], ids)) if self._reuse else 0
+            slot, held = self._free.pop(best)
+            # At least the last prompt token is fed: its logits give the first new token.
+            reused = min(common_prefix_length(held, ids), len(ids) - 1) if self._reuse else 0
+            r = stream.request
+            stream._completion = self.session.complete(
+                ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop, logprobs=r.logprobs,
+                slot=slot, start_pos=reused,
+            )
+            stream._iterator = iter(stream._completion)
+            stream._slot = slot
+            stream.cached_tokens = reused
+            self._running.append(stream)
+
+    def _finish(self, stream: Stream, reason: str | None) -> None:
+        stream.finish_reason = reason or "cancelled"
+        self._running.remove(stream)
+        generation = stream._completion.generation
+        ids = list(stream.request.prompt_ids) + list(generation.generated_ids)
+        # What the slot's cache holds: positions 0 .. end_pos - 1.
+        self._free.append((stream._slot, ids[: generation.end_pos]))
+        if self._on_piece is not None:
+            self._on_piece(stream, None)
+
+
+def complete_all(session, requests: Sequence[Request], n_slots: int = 4,
+                 progress: bool = False) -> list[Stream]:
+    """Run `requests` through a `Scheduler` of n_slots and return their finished streams, in
+    the order given (vLLM's `LLM.generate(prompts)` shape); `progress`: a tqdm bar on stderr
+    counting finished requests."""
+    finished = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), unit="req", leave=False)
+
+    def on_piece(stream, piece):
+        if piece is None:
+            finished.append(stream)
+            if bar is not None:
+                bar.update(1)
+
+    scheduler = Scheduler(session, n_slots=n_slots, on_piece=on_piece)
+    streams = [scheduler.submit(r) for r in requests]
+    try:
+        scheduler.run()
+    finally:
+        if bar is not None:
+            bar.close()
+    return streams

@@ -1,0 +1,110 @@
+"""The scheduler: requests beside each other give what they give alone (the same seeded
+tokens), slots interleave and free, a shared prefix is reused, cancelling, no recompilation
+as slots fill and empty. Stories260K on the jax backend."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jllama.backends import make_backend
+from jllama.engine import Request, Scheduler, complete_all
+from jllama.loading import open_model
+from jllama.sampling import SamplerConfig
+from jllama.session import Session
+
+
+@pytest.fixture(scope="module")
+def session():
+    model = open_model(seq_len=256)
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    return Session(model, backend, device_sampling=False)
+
+
+PROMPTS = ["Once upon a time", "Tom had a dog", "The sun was", "Lily and Ben went",
+           "One day", "A little bird", "The king said", "Sam liked"]
+
+
+def _requests(session, n=8, max_tokens=40):
+    tok = session.tokenizer
+    return [Request(tok.encode(PROMPTS[i % len(PROMPTS)]),
+                    SamplerConfig(temperature=0.9, top_p=0.9, seed=100 + i),
+                    max_tokens=max_tokens) for i in range(n)]
+
+
+def test_requests_side_by_side_give_what_they_give_alone(session):
+    requests = _requests(session)
+    alone = [session.text(r.prompt_ids, r.sampler, max_tokens=r.max_tokens) for r in requests]
+    for slots in (1, 3, 8):
+        streams = complete_all(session, requests, n_slots=slots)
+        assert [s.text for s in streams] == alone, slots
+        assert all(s.finish_reason in ("stop", "length") for s in streams)
+
+
+def test_slots_take_turns_and_a_finished_request_frees_its_slot(session):
+    order = []
+    scheduler = Scheduler(session, n_slots=2, on_piece=lambda s, p: order.append((s, p)))
+    short = scheduler.submit(Request(session.tokenizer.encode("Tom"), SamplerConfig(
+        temperature=0.0), max_tokens=2))
+    long = scheduler.submit(Request(session.tokenizer.encode("Lily"), SamplerConfig(
+        temperature=0.0), max_tokens=30))
+    third = scheduler.submit(Request(session.tokenizer.encode("Ben"), SamplerConfig(
+        temperature=0.0), max_tokens=5))
+    scheduler.step()
+    # One round: the two admitted requests each released a piece; the third waits.
+    assert [s for s, _ in order] == [short, long] and scheduler.waiting == 1
+    while not short.done:
+        scheduler.step()
+    scheduler.step()  # the freed slot goes to the third request at the next step
+    assert third._completion is not None and scheduler.running == 2
+    scheduler.run()
+    assert long.done and third.done and len(long.generated_ids) == 30
+
+
+def test_a_shared_prefix_is_reused_and_changes_nothing(session):
+    tok = session.tokenizer
+    base = "Once upon a time, there was a little girl named Lily. She loved to play"
+    first = Request(tok.encode(base), SamplerConfig(temperature=0.0), max_tokens=8)
+    second = Request(tok.encode(base + " with her"), SamplerConfig(temperature=0.0),
+                     max_tokens=8)
+    cold = session.text(second.prompt_ids, second.sampler, max_tokens=8)
+    scheduler = Scheduler(session, n_slots=2)
+    one = scheduler.submit(first)
+    scheduler.run()
+    two = scheduler.submit(second)
+    scheduler.run()
+    assert one.cached_tokens == 0
+    assert two.cached_tokens == len(first.prompt_ids)  # the whole first prompt
+    assert two.text == cold
+
+
+def test_cancelling_frees_the_slot_at_the_next_step(session):
+    scheduler = Scheduler(session, n_slots=1)
+    tok = session.tokenizer
+    running = scheduler.submit(Request(tok.encode("Tom"), SamplerConfig(temperature=0.0),
+                                       max_tokens=100))
+    waiting = scheduler.submit(Request(tok.encode("Ben"), SamplerConfig(temperature=0.0),
+                                       max_tokens=3))
+    scheduler.step()
+    running.cancel()
+    scheduler.step()
+    assert running.finish_reason == "cancelled" and len(running.generated_ids) < 100
+    scheduler.step()
+    assert waiting._completion is not None  # admitted into the freed slot
+    scheduler.run()
+    assert waiting.finish_reason in ("stop", "length")
+
+
+def test_no_program_compiles_as_slots_fill_and_empty(session):
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    requests = _requests(session, n=6, max_tokens=30)
+    complete_all(session, requests, n_slots=3)  # compiles what these positions need
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    complete_all(session, _requests(session, n=12, max_tokens=30), n_slots=3)
+    assert compiles == []
