@@ -34,10 +34,11 @@ import httpx
 PROMPTS = ["Once upon a time", "Tom had a dog", "The sun was hot", "Lily saw a bird"]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str, str]:
+def start_server(args, parallel: int = 1) -> tuple[subprocess.Popen, str, str]:
     script = Path(sys.executable).parent / "jllama"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "jllama"]
-    command += ["serve", "--port=0", f"--max_waiting={max(args.clients) * 2 + 8}"]
+    command += ["serve", "--port=0", f"--max_waiting={max(args.clients) * 2 + 8}",
+                f"--parallel={parallel}"]
     if args.checkpoint:
         command.append(f"--checkpoint={args.checkpoint}")
     if args.seq_len:
@@ -118,22 +119,27 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64,
                         help="requests per level (at least one per client)")
     parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--parallel", default="1", help="comma-separated `jllama serve "
+                        "--parallel` values: a server for each, in turn (1: one request at a "
+                        "time, first in, first out)")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
-    process, url, model = start_server(args)
-    try:
-        meta = {"meta": True, "checkpoint": args.checkpoint or "stories260K", "url": url,
-                "cpus": os.cpu_count(), "load1": os.getloadavg()[0]}
-        print(json.dumps(meta), flush=True)
-        for clients in args.clients:
-            result = asyncio.run(run_level(url, model, clients, args.requests, args.max_tokens))
-            print(json.dumps(result), flush=True)
-    finally:
-        process.send_signal(signal.SIGINT)
+    for parallel in [int(p) for p in args.parallel.split(",")]:
+        process, url, model = start_server(args, parallel)
         try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            meta = {"meta": True, "checkpoint": args.checkpoint or "stories260K", "url": url,
+                    "parallel": parallel, "cpus": os.cpu_count(), "load1": os.getloadavg()[0]}
+            print(json.dumps(meta), flush=True)
+            for clients in args.clients:
+                result = asyncio.run(run_level(url, model, clients, args.requests,
+                                               args.max_tokens))
+                print(json.dumps({"parallel": parallel, **result}), flush=True)
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 if __name__ == "__main__":

@@ -148,6 +148,11 @@ flags.DEFINE_string(
     "name, e.g. stories260K or smollm2).",
 )
 flags.DEFINE_integer(
+    "parallel", 4, "serve: requests generated at once, each in its own KV cache (slot), taking "
+    "turns a token at a time; a new request reuses the prompt prefix a free slot holds. 1 = "
+    "one at a time, in arrival order.", lower_bound=1, upper_bound=256,
+)
+flags.DEFINE_integer(
     "max_waiting", 256, "serve: the most requests queued at once; more get HTTP 503.",
     lower_bound=1,
 )

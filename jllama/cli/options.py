@@ -78,6 +78,7 @@ class ServeOptions:
     port: int
     model_name: str | None
     max_waiting: int
+    parallel: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,7 @@ def from_flags() -> Options:
         sampling=_sampling(),
         text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
                          f.output_format, f.verify_checkpoint, f.verbosity > 0),
-        serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting),
+        serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting, f.parallel),
         perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len),
         tools=ToolOptions(f.pieces, f.force, f.output, int(f.llama2c_version), f.group_size,
                           f["group_size"].present),

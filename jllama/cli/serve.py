@@ -28,8 +28,7 @@ def model_id(options: Options) -> str:
 
 
 def main(options: Options) -> int:
-    from jllama.server import bind, make_server
-    from jllama.server.engine import Engine
+    from jllama.server import bind, make_server, make_worker
 
     run, serve, m = options.run, options.serve, options.model
     if run.threads:
@@ -43,12 +42,13 @@ def main(options: Options) -> int:
     compile_programs(run)  # programs compiled per request are kept for the next server too
     # Every request brings its own sampler, sampled on the host: never the device loop.
     session = open_session(model, run, n_devices, device_sampling=False)
-    engine = Engine(session, max_waiting=serve.max_waiting)
+    engine = make_worker(session, serve.parallel, serve.max_waiting)
     name = model_id(options)
     server = make_server(engine, name, sock)
     port = sock.getsockname()[1]
     chat = "chat and completions" if model.chat_template else "completions only, no chat template"
-    print(f"jllama: serving {name} ({chat}; context {model.config.seq_len} tokens) at "
+    slots = f"{serve.parallel} slots" if serve.parallel > 1 else "one request at a time"
+    print(f"jllama: serving {name} ({chat}; context {model.config.seq_len} tokens, {slots}) at "
           f"http://{serve.host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])

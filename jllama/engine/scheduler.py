@@ -54,7 +54,8 @@ class Stream:
     Attributes:
       request: the `Request`.
       pieces: the `Text` pieces released so far, in order.
-      finish_reason: None while it runs or waits; then "stop", "length" or "cancelled".
+      finish_reason: None while it runs or waits; then "stop", "length", "cancelled" or
+        "error" (`error` holds the exception: the model's failure, or a request it cannot run).
       cached_tokens: prompt tokens reused from the slot's cache (not fed again).
       generated_ids: the tokens generated (once started).
     """
@@ -64,6 +65,7 @@ class Stream:
         self.pieces: list[Text] = []
         self.finish_reason: str | None = None
         self.cached_tokens = 0
+        self.error: Exception | None = None
         self._cancelled = False
         self._completion = None
         self._iterator: Iterator[Text] | None = None
@@ -151,6 +153,10 @@ class Scheduler:
             except StopIteration:
                 self._finish(stream, stream._completion.finish_reason)
                 continue
+            except Exception as e:  # this request's failure (e.g. NaN logits): the rest go on
+                stream.error = e
+                self._finish(stream, "error")
+                continue
             stream.pieces.append(piece)
             if self._on_piece is not None:
                 self._on_piece(stream, piece)
@@ -176,10 +182,18 @@ class Scheduler:
             # At least the last prompt token is fed: its logits give the first new token.
             reused = min(common_prefix_length(held, ids), len(ids) - 1) if self._reuse else 0
             r = stream.request
-            stream._completion = self.session.complete(
-                ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop, logprobs=r.logprobs,
-                slot=slot, start_pos=reused,
-            )
+            try:
+                stream._completion = self.session.complete(
+                    ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop, logprobs=r.logprobs,
+                    slot=slot, start_pos=reused,
+                )
+            except Exception as e:  # settings this request cannot run with: it alone fails
+                self._free.append((slot, held[:reused]))
+                stream.error = e
+                stream.finish_reason = "error"
+                if self._on_piece is not None:
+                    self._on_piece(stream, None)
+                continue
             stream._iterator = iter(stream._completion)
             stream._slot = slot
             stream.cached_tokens = reused
@@ -190,8 +204,10 @@ class Scheduler:
         self._running.remove(stream)
         generation = stream._completion.generation
         ids = list(stream.request.prompt_ids) + list(generation.generated_ids)
-        # What the slot's cache holds: positions 0 .. end_pos - 1.
-        self._free.append((stream._slot, ids[: generation.end_pos]))
+        # What the slot's cache holds: positions 0 .. end_pos - 1 (nothing trusted after an
+        # error, which may have stopped between a cache write and its end_pos).
+        held = [] if reason == "error" else ids[: generation.end_pos]
+        self._free.append((stream._slot, held))
         if self._on_piece is not None:
             self._on_piece(stream, None)
 

@@ -40,6 +40,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def make_worker(session, parallel: int = 1, max_waiting: int = 256):
+    """The model worker for `session`: one request at a time in arrival order
+    (`jllama.server.engine.Engine`) when parallel is 1, else `parallel` slots advanced in
+    rounds with prompt-prefix reuse (`jllama.server.slots.SlotEngine`)."""
+    if parallel <= 1:
+        from jllama.server.engine import Engine
+
+        return Engine(session, max_waiting=max_waiting)
+    from jllama.server.slots import SlotEngine
+
+    return SlotEngine(session, parallel=parallel, max_waiting=max_waiting)
+
+
 def make_server(engine, model_id: str, sock: socket.socket, **app_options):
     """A `uvicorn.Server` for `engine`'s model on the bound socket `sock` (not started)."""
     import uvicorn
@@ -63,6 +76,7 @@ class ServerThread:
       model: a `jllama.loading.Model`.
       backend: a prepared backend for it.
       use_prefill: feed prompts through the backend's batched prefill where it has one.
+      parallel: requests generated at once (`make_worker`).
       model_id: the name clients use as `model`.
       host, port: where to listen (port 0: a free port; see `url`).
       **app_options: for `create_app` (e.g. max_body_bytes).
@@ -73,13 +87,13 @@ class ServerThread:
     """
 
     def __init__(self, model, backend, model_id: str, host: str = "127.0.0.1", port: int = 0,
-                 use_prefill: bool = True, max_waiting: int = 256, **app_options):
-        from jllama.server.engine import Engine
+                 use_prefill: bool = True, max_waiting: int = 256, parallel: int = 1,
+                 **app_options):
         from jllama.session import Session
 
         session = Session(model, backend, decode="graph", device_sampling=False,
                           prefill="chunked" if use_prefill else "token")
-        self.engine = Engine(session, max_waiting=max_waiting)
+        self.engine = make_worker(session, parallel, max_waiting)
         self._sock = bind(host, port)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"

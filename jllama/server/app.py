@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -116,6 +116,10 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             "requests_waiting": engine.waiting, "requests_completed": engine.completed,
             "requests_cancelled": engine.cancelled,
         }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.exposition(), media_type=engine.metrics.content_type)
 
     @app.get("/v1/models")
     async def models():
@@ -320,11 +324,14 @@ def _stream(chunks: AsyncIterator[dict], job: Job) -> StreamingResponse:
 
 
 def _usage(done: Done) -> dict:
-    return {
+    usage = {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
+    if done.cached_tokens is not None:  # OpenAI's count of prompt tokens served from a cache
+        usage["prompt_tokens_details"] = {"cached_tokens": done.cached_tokens}
+    return usage
 
 
 def _chat_logprobs(items: list[TokenLogprob], body: ChatCompletionRequest) -> dict | None:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from jllama.sampling import SamplerConfig
 from jllama.server.errors import APIError
+from jllama.server.metrics import Metrics
 from jllama.streaming import Text, TokenLogprob
 
 __all__ = ["Done", "Engine", "Failed", "Job", "Text", "TokenLogprob"]
@@ -31,11 +32,13 @@ __all__ = ["Done", "Engine", "Failed", "Job", "Text", "TokenLogprob"]
 @dataclasses.dataclass(frozen=True)
 class Done:
     """The end: finish_reason "stop" (end-of-generation token or stop string) or "length"
-    (max_tokens or the context); token counts for `usage`."""
+    (max_tokens or the context); token counts for `usage`; cached_tokens: prompt tokens reused
+    from a slot's cache (the slot engine's; None from the one-at-a-time worker)."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Job:
     events: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    metrics: Metrics | None = None
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -79,6 +83,9 @@ class Job:
     def _emit(self, event) -> None:
         if isinstance(event, (Done, Failed)):
             self.finished.set()  # before the reader can see the event and cancel
+        if isinstance(event, Done) and self.metrics is not None:
+            self.metrics.observe(event.finish_reason, event.prompt_tokens,
+                                 event.completion_tokens, event.cached_tokens)
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: the server is shutting down
@@ -105,6 +112,8 @@ class Engine:
         self.running = 0
         self.completed = 0
         self.cancelled = 0
+        self.slots = 1
+        self.metrics = Metrics(self)
         self._current: Job | None = None
         self._thread = threading.Thread(target=self._work, name="jllama-model", daemon=True)
         self._thread.start()
@@ -127,6 +136,7 @@ class Engine:
             )
         job.loop = asyncio.get_running_loop()
         job.events = asyncio.Queue()
+        job.metrics = self.metrics
         self._queue.put(job)
 
     def close(self, timeout: float = 10.0) -> None:
