@@ -47,7 +47,7 @@ def main(options: Options) -> int:
     server = make_server(engine, name, sock)
     port = sock.getsockname()[1]
     chat = "chat and completions" if model.chat_template else "completions only, no chat template"
-    slots = f"{serve.parallel} slots" if serve.parallel > 1 else "one request at a time"
+    slots = f"{serve.parallel} slots" if serve.parallel > 1 else "1 slot, first in first out"
     print(f"jllama: serving {name} ({chat}; context {model.config.seq_len} tokens, {slots}) at "
           f"http://{serve.host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
