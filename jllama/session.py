@@ -27,13 +27,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from jllama.backends import prepared_backend
-from jllama.backends.base import (
-    Backend, CompilePlanning, Described, Prefill, PrefillLogits, SlotCaches,
-)
+from jllama.backends.base import Backend, CompilePlanning, Described, Prefill, PrefillLogits
 from jllama.device_loop import DECODE_MODES, LoopDecoder, decode_mode
 from jllama.errors import JllamaError
 from jllama.generate import Generation
 from jllama.sampling import Sampler, SamplerConfig, restrict_to_vocabulary
+from jllama.session_slots import Slot, SlotsMixin
 from jllama.streaming import Completion, LogitsRecorder, Text
 
 PREFILL_MODES = ("chunked", "token")
@@ -41,22 +40,7 @@ PREFILL_MODES = ("chunked", "token")
 position at a time, as run.c."""
 
 
-class Slot:
-    """One sequence's KV cache among several of a `Session` (`Session.new_slot`).
-
-    Attributes:
-      caches: the backend's caches for it (`SlotCaches.new_caches`).
-      active: the last `Generation` started in it, or None.
-      generations: how many were started in it.
-    """
-
-    def __init__(self, caches):
-        self.caches = caches
-        self.active: Generation | None = None
-        self.generations = 0
-
-
-class Session:
+class Session(SlotsMixin):
     """A prepared model + backend + decoding plan.
 
     Args:
@@ -122,46 +106,6 @@ class Session:
 
         return cls.prepare(open_model(checkpoint, tokenizer, seq_len=seq_len, dtype=dtype),
                            **options)
-
-    @property
-    def generations(self) -> int:
-        """Generations started so far on the default slot (the backend's own KV cache): each
-        may overwrite it (a `Conversation` notices another generation ran since its last turn
-        and feeds itself again)."""
-        return self._default_slot.generations
-
-    def new_slot(self) -> Slot:
-        """A KV cache for one more sequence: `generate(..., slot=...)` runs there, beside the
-        others, each generation switching to its own before every backend call (nothing is
-        copied: `SlotCaches`).
-
-        Raises:
-          BackendError: a backend that keeps one sequence's cache only.
-        """
-        from jllama.errors import BackendError
-
-        if not isinstance(self.backend, SlotCaches):
-            raise BackendError(f"the {self.backend.name} backend keeps one sequence's KV cache; "
-                               "several sequences need one with SlotCaches (jax, numpy)")
-        self._slotted = True
-        return Slot(self.backend.new_caches())
-
-    def _use(self, slot: Slot) -> None:
-        """Make `slot`'s caches the backend's (a no-op when they are)."""
-        if slot is not self._current:
-            self._current.caches = self.backend.use_caches(slot.caches)
-            self._current = slot
-
-    def _bound(self, slot: Slot, call):
-        """`call` that first switches the backend to `slot`'s caches (several slots only)."""
-        if not self._slotted:
-            return call
-
-        def on_slot(*args, **kwargs):
-            self._use(slot)
-            return call(*args, **kwargs)
-
-        return on_slot
 
     place_seconds = 0.0
     """Seconds `prepare` spent converting and placing the weights (its compile not counted)."""

@@ -108,3 +108,28 @@ def test_no_program_compiles_as_slots_fill_and_empty(session):
     jax.monitoring.register_event_duration_secs_listener(listener)
     complete_all(session, _requests(session, n=12, max_tokens=30), n_slots=3)
     assert compiles == []
+
+
+def test_a_long_prompt_admitted_mid_stream_pauses_the_others_one_chunk_at_a_time(session):
+    tok = session.tokenizer
+    long_prompt = tok.encode(" ".join(["Once upon a time, there was a little girl."] * 16))
+    assert 150 < len(long_prompt) < 250
+    pieces = {}
+    scheduler = Scheduler(session, n_slots=2, prefill_chunk=64,
+                          on_piece=lambda s, p: pieces.setdefault(id(s), []).append(p))
+    running = scheduler.submit(Request(tok.encode("Tom"), SamplerConfig(temperature=0.0),
+                                       max_tokens=60))
+    for _ in range(3):
+        scheduler.step()
+    long = scheduler.submit(Request(long_prompt, SamplerConfig(temperature=0.0), max_tokens=5))
+    steps_to_first = 0
+    while id(long) not in pieces:
+        before = len(pieces[id(running)])
+        scheduler.step()
+        steps_to_first += 1
+        assert len(pieces[id(running)]) == before + 1  # the running stream never skips a step
+    # A step per 64-token chunk; the last (<= 64 tokens) comes with the first new token.
+    assert steps_to_first == -(-len(long_prompt) // 64)
+    scheduler.run()
+    alone = session.text(long_prompt, SamplerConfig(temperature=0.0), max_tokens=5)
+    assert long.text == alone

@@ -70,6 +70,7 @@ class Stream:
         self._completion = None
         self._iterator: Iterator[Text] | None = None
         self._slot = None
+        self._fed = 0  # prompt tokens in the slot's cache so far
 
     @property
     def text(self) -> str:
@@ -99,6 +100,10 @@ class Scheduler:
       n_slots: KV caches, i.e. requests running at once (>= 1).
       reuse_prefix: admit a request into the free slot sharing the longest prefix with its
         prompt and feed only the rest.
+      prefill_chunk: the most prompt tokens one request feeds in one step (a longer prompt
+        takes a step per chunk, so the others' streams pause for one chunk at a time, not for
+        the whole prompt); None: a whole prompt in one step. 256, the backend's largest
+        prefill chunk, cuts a prompt from position 0 exactly as one batched prefill does.
       on_piece: called with (stream, piece) for each `Text` as it is released, and with
         (stream, None) when the stream ends.
 
@@ -108,9 +113,13 @@ class Scheduler:
     """
 
     def __init__(self, session, n_slots: int = 4, reuse_prefix: bool = True,
-                 on_piece: Callable[[Stream, Text | None], None] | None = None):
+                 on_piece: Callable[[Stream, Text | None], None] | None = None,
+                 prefill_chunk: int | None = 256):
         if n_slots < 1:
             raise ValueError(f"n_slots={n_slots} must be at least 1")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be at least 1 (or None)")
+        self._chunk = prefill_chunk
         self.session = session
         self._free = [(session.new_slot(), []) for _ in range(n_slots)]
         self._running: list[Stream] = []
@@ -149,6 +158,8 @@ class Scheduler:
                 self._finish(stream, "cancelled")
                 continue
             try:
+                if stream._completion is None and self._feed(stream):
+                    continue  # a chunk of its prompt was this step's work
                 piece = next(stream._iterator)
             except StopIteration:
                 self._finish(stream, stream._completion.finish_reason)
@@ -181,32 +192,39 @@ class Scheduler:
             slot, held = self._free.pop(best)
             # At least the last prompt token is fed: its logits give the first new token.
             reused = min(common_prefix_length(held, ids), len(ids) - 1) if self._reuse else 0
-            r = stream.request
-            try:
-                stream._completion = self.session.complete(
-                    ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop, logprobs=r.logprobs,
-                    slot=slot, start_pos=reused,
-                )
-            except Exception as e:  # settings this request cannot run with: it alone fails
-                self._free.append((slot, held[:reused]))
-                stream.error = e
-                stream.finish_reason = "error"
-                if self._on_piece is not None:
-                    self._on_piece(stream, None)
-                continue
-            stream._iterator = iter(stream._completion)
-            stream._slot = slot
-            stream.cached_tokens = reused
+            stream._slot, stream._fed, stream.cached_tokens = slot, reused, reused
             self._running.append(stream)
+
+    def _feed(self, stream: Stream) -> bool:
+        """Feed the next chunk of a prompt longer than a chunk and return True; or start the
+        request's completion (its first piece prefills the rest) and return False."""
+        ids = stream.request.prompt_ids
+        if self._chunk is not None and len(ids) - stream._fed > self._chunk:
+            self.session.feed(ids[stream._fed:stream._fed + self._chunk], stream._fed,
+                              slot=stream._slot)
+            stream._fed += self._chunk
+            return True
+        r = stream.request
+        stream._completion = self.session.complete(
+            ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop, logprobs=r.logprobs,
+            slot=stream._slot, start_pos=stream._fed,
+        )
+        stream._iterator = iter(stream._completion)
+        return False
 
     def _finish(self, stream: Stream, reason: str | None) -> None:
         stream.finish_reason = reason or "cancelled"
         self._running.remove(stream)
-        generation = stream._completion.generation
-        ids = list(stream.request.prompt_ids) + list(generation.generated_ids)
-        # What the slot's cache holds: positions 0 .. end_pos - 1 (nothing trusted after an
-        # error, which may have stopped between a cache write and its end_pos).
-        held = [] if reason == "error" else ids[: generation.end_pos]
+        ids = list(stream.request.prompt_ids)
+        if stream._completion is None:  # ended while its prompt was being fed
+            held = ids[: stream._fed]
+        else:
+            generation = stream._completion.generation
+            ids += generation.generated_ids
+            # What the slot's cache holds: positions 0 .. end_pos - 1.
+            held = ids[: generation.end_pos]
+        if reason == "error":
+            held = []  # an error may have come between a cache write and its count
         self._free.append((stream._slot, held))
         if self._on_piece is not None:
             self._on_piece(stream, None)

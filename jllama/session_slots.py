@@ -1,0 +1,98 @@
+"""Several sequences in one Session: `Slot`s of KV cache and what switches between them.
+
+A backend with `SlotCaches` keeps a cache per sequence and runs on the one in use; a Session
+hands out `Slot`s (`new_slot`) and binds each generation's backend calls to its slot, so
+generations in different slots can be stepped in any order (`jllama.engine.Scheduler`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from jllama.backends.base import CompilePlanning, Prefill, SlotCaches
+from jllama.generate import Generation
+
+
+class Slot:
+    """One sequence's KV cache among several of a `Session` (`Session.new_slot`).
+
+    Attributes:
+      caches: the backend's caches for it (`SlotCaches.new_caches`).
+      active: the last `Generation` started in it, or None.
+      generations: how many were started in it.
+    """
+
+    def __init__(self, caches):
+        self.caches = caches
+        self.active: Generation | None = None
+        self.generations = 0
+
+
+class SlotsMixin:
+    """`Session`'s slot handling (its `backend`, `config`, `prefill`, `compile_ahead`, and the
+    `_default_slot` / `_current` / `_slotted` it sets up)."""
+
+    @property
+    def generations(self) -> int:
+        """Generations started so far on the default slot (the backend's own KV cache): each
+        may overwrite it (a `Conversation` notices another generation ran since its last turn
+        and feeds itself again)."""
+        return self._default_slot.generations
+
+    def new_slot(self) -> Slot:
+        """A KV cache for one more sequence: `generate(..., slot=...)` runs there, beside the
+        others, each generation switching to its own before every backend call (nothing is
+        copied: `SlotCaches`).
+
+        Raises:
+          BackendError: a backend that keeps one sequence's cache only.
+        """
+        from jllama.errors import BackendError
+
+        if not isinstance(self.backend, SlotCaches):
+            raise BackendError(f"the {self.backend.name} backend keeps one sequence's KV cache; "
+                               "several sequences need one with SlotCaches (jax, numpy)")
+        self._slotted = True
+        return Slot(self.backend.new_caches())
+
+    def _use(self, slot: Slot) -> None:
+        """Make `slot`'s caches the backend's (a no-op when they are)."""
+        if slot is not self._current:
+            self._current.caches = self.backend.use_caches(slot.caches)
+            self._current = slot
+
+    def _bound(self, slot: Slot, call):
+        """`call` that first switches the backend to `slot`'s caches (several slots only)."""
+        if not self._slotted:
+            return call
+
+        def on_slot(*args, **kwargs):
+            self._use(slot)
+            return call(*args, **kwargs)
+
+        return on_slot
+
+    def feed(self, tokens: Sequence[int], start_pos: int, slot: Slot | None = None) -> None:
+        """Put `tokens` at positions start_pos.. into the slot's KV cache and sample nothing
+        (a part of a prompt fed ahead of its generation, e.g. a scheduler's prefill chunk):
+        batched where the plan's prefill is, compiled first as `generate` would.
+
+        Raises:
+          ValueError: no tokens, or positions beyond seq_len.
+        """
+        tokens = [operator.index(t) for t in tokens]
+        if not tokens or start_pos < 0 or start_pos + len(tokens) > self.config.seq_len:
+            raise ValueError(f"cannot feed {len(tokens)} tokens at {start_pos} "
+                             f"(seq_len={self.config.seq_len})")
+        slot = self._default_slot if slot is None else slot
+        self._use(slot)
+        chunked = self.prefill == "chunked" and isinstance(self.backend, Prefill)
+        if self.compile_ahead and isinstance(self.backend, CompilePlanning):
+            end = start_pos + len(tokens) - 1
+            self.backend.compile_for(len(tokens), end, chunked=chunked, start=start_pos)
+        if chunked:
+            self.backend.prefill(tokens, start_pos)
+        else:
+            for i, token in enumerate(tokens):
+                self.backend.forward(token, start_pos + i)
