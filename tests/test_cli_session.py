@@ -107,3 +107,30 @@ def test_terminal_chat_ctrl_c_stops_the_reply_not_the_program(smollm2_gguf):
         if process.poll() is None:
             process.kill()
         os.close(leader)
+
+
+def test_batch_prints_a_json_line_per_prompt_equal_to_each_alone(tmp_path):
+    import json
+
+    from jllama.loading import open_model
+    from jllama.sampling import SamplerConfig
+    from jllama.session import Session
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('Once upon a time\n{"prompt": "Tom had a dog", "max_tokens": 6}\n'
+                       'Lily went\n\nThe sun\n')
+    done = run("batch", f"--file={prompts}", "--steps=24", "--seed=40", "--parallel=3")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["Once upon a time", "Tom had a dog",
+                                                 "Lily went", "The sun"]
+    session = Session.open(seq_len=512)  # the embedded stories260K, as the command
+    for i, line in enumerate(lines):
+        ids = session.tokenizer.encode(line["prompt"])
+        alone = session.text(ids, SamplerConfig(seed=40 + i), max_tokens=6 if i == 1 else 24)
+        assert line["text"] == alone and line["seed"] == 40 + i
+    bad = tmp_path / "bad.txt"
+    bad.write_text('{"prompt": "x", "max_tokens": 0}\n')
+    refused = run("batch", f"--file={bad}")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+    assert "line 1: max_tokens" in refused.stderr

@@ -9,6 +9,7 @@ Presets live in `configs/` and are passed with `--flagfile`.
   serve.py       jllama serve
   perplexity.py  jllama perplexity
   tools.py       jllama fetch / tokenize / convert
+  batch.py       jllama batch
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ def main(argv: list[str]) -> int:
         from jllama.cli.tools import fetch
 
         return fetch(options, args)
-    if command in ("tokenize", "convert", "serve", "perplexity"):
+    if command in ("tokenize", "convert", "serve", "perplexity", "batch"):
         no_arguments(command, args)
+        if command == "batch":
+            from jllama.cli import batch
+
+            return batch.main(options)
         if command == "serve":
             from jllama.cli import serve
 
@@ -61,7 +66,7 @@ def main(argv: list[str]) -> int:
         hint = f"; for {command}, pass --mode={command}" if command in ("chat", "generate") else ""
         raise JllamaError(
             f"unexpected argument {command!r} (commands: fetch, tokenize, convert, serve, "
-            f"perplexity; flags take the form --name=value{hint})"
+            f"perplexity, batch; flags take the form --name=value{hint})"
         )
     from jllama.cli import generate
 
@@ -74,6 +79,7 @@ _USAGE = """usage: jllama [--flag=value ...]
        jllama tokenize --prompt=TEXT [--pieces] [--parse_special] [--checkpoint=...|--tokenizer=FILE]
        jllama convert --checkpoint=SOURCE --output=FILE.bin [--llama2c_version=1|2|0]
        jllama serve [--checkpoint=...] [--host=127.0.0.1] [--port=8080]   OpenAI-compatible API
+       jllama batch --file=PROMPTS [--parallel=4] [--steps=N]   one JSON line per prompt
        jllama perplexity --file=TEXT [--ctx=512] [--chunks=N] [--checkpoint=...]
                                               PPL of a text, as llama.cpp's llama-perplexity
 

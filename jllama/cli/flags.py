@@ -148,7 +148,7 @@ flags.DEFINE_string(
     "name, e.g. stories260K or smollm2).",
 )
 flags.DEFINE_integer(
-    "parallel", 4, "serve: requests generated at once, each in its own KV cache (slot), taking "
+    "parallel", 4, "serve, batch: requests generated at once, each in its own KV cache (slot), taking "
     "turns a token at a time; a new request reuses the prompt prefix a free slot holds. 1 = "
     "one at a time, in arrival order.", lower_bound=1, upper_bound=256,
 )
@@ -226,7 +226,8 @@ flags.DEFINE_enum(
     "text: stream the story as run.c prints it; json: one object with the ids, the text and "
     "the rates (perplexity: the PPL, its error and the rates).",
 )
-flags.DEFINE_string("file", None, "perplexity: the UTF-8 text file to score.")
+flags.DEFINE_string("file", None, "perplexity: the UTF-8 text file to score. batch: the "
+                    "prompts, one per line (text, or JSON with \"prompt\").")
 flags.DEFINE_integer(
     "ctx", 512, "perplexity: tokens a chunk (llama-perplexity's -c); the second half of each "
     "is scored.",

@@ -1,0 +1,115 @@
+"""`jllama batch --file=PROMPTS`: many prompts in, one JSON line out per prompt (in the order
+given), run --parallel at a time through the `jllama.engine` scheduler, a progress bar on
+stderr.
+
+Each line of the file is a prompt: plain text, or a JSON object with "prompt" and optionally
+"max_tokens", "stop" (a string or a list) and "seed". The sampler flags apply to every prompt;
+with --seed, prompt i (from 0) samples with --seed + i (so a line gives the same text in any
+batch), else with a seed from the clock + i; each output line says its seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from jllama import runtime
+from jllama.cli.common import compile_programs, device_count, one_process, open_session, say
+from jllama.cli.options import Options
+from jllama.engine import Request, complete_all
+from jllama.errors import JllamaError
+from jllama.files import require_regular_file
+from jllama.loading import open_model, required_memory
+from jllama.sampling import seed_from_clock
+
+
+def read_prompts(path: str) -> list[dict]:
+    """The prompts of `path`: dicts with "prompt" (str) and optional "max_tokens", "stop",
+    "seed".
+
+    Raises:
+      JllamaError: a file that cannot be read or is not UTF-8, a JSON object without a string
+        "prompt", fields of the wrong type, or no prompt at all (naming the line).
+    """
+    from pathlib import Path
+
+    what = f"--file={path}"
+    require_regular_file(Path(path), what, JllamaError)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise JllamaError(f"{what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise JllamaError(f"{what}: {e.strerror or e}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        item = {"prompt": line}
+        if line.lstrip().startswith("{"):
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise JllamaError(f"{what}: line {number} is not valid JSON ({e.msg})") from None
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                raise JllamaError(f"{what}: line {number}: a JSON line needs a \"prompt\" string")
+            for key, kind in (("max_tokens", int), ("seed", int)):
+                if key in item and (isinstance(item[key], bool) or not isinstance(item[key], kind)
+                                    or item[key] < 1):
+                    raise JllamaError(f"{what}: line {number}: {key} must be an integer >= 1")
+            stop = item.get("stop", [])
+            stop = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+                raise JllamaError(f"{what}: line {number}: stop must be a string or a list of "
+                                  "non-empty strings")
+            item["stop"] = stop
+        prompts.append(item)
+    if not prompts:
+        raise JllamaError(f"{what}: no prompts (one per line)")
+    return prompts
+
+
+def main(options: Options) -> int:
+    run, m = options.run, options.model
+    if run.threads:
+        runtime.limit_cpu_threads(run.threads)
+    one_process("batch", run)
+    if not options.perplexity.file:
+        raise JllamaError("batch needs --file=PROMPTS, one prompt per line")
+    prompts = read_prompts(options.perplexity.file)
+    model = open_model(m.checkpoint, m.tokenizer, seq_len=m.seq_len, dtype=m.dtype)
+    tokenizer, seq_len = model.tokenizer, model.config.seq_len
+    requests = []
+    base = options.sampling.config
+    first_seed = base.seed if base.seed is not None else seed_from_clock()
+    for i, item in enumerate(prompts):
+        ids = tokenizer.encode(item["prompt"], parse_special=options.text.parse_special)
+        if not ids or len(ids) > seq_len:
+            raise JllamaError(f"--file={options.perplexity.file}: prompt {i + 1} is "
+                              f"{len(ids)} tokens; it must hold 1 .. {seq_len} (seq_len)")
+        seed = item.get("seed", (first_seed + i - 1) % (2**64 - 1) + 1)
+        steps = options.text.steps
+        requests.append(Request(
+            ids, dataclasses.replace(base, seed=seed),
+            max_tokens=item.get("max_tokens", steps if steps > 0 else None), stop=item["stop"]
+            if "stop" in item else (),
+        ))
+    n_devices = device_count(run, model.config, several=False)
+    say(required_memory(model, n_devices))
+    compile_programs(run)
+    session = open_session(model, run, n_devices, device_sampling=False)
+    streams = complete_all(session, requests, n_slots=options.serve.parallel, progress=True)
+    for i, (item, stream) in enumerate(zip(prompts, streams)):
+        if stream.error is not None:
+            raise JllamaError(f"prompt {i + 1}: {stream.error}")
+        print(json.dumps({
+            "index": i, "prompt": item["prompt"], "text": stream.text,
+            "finish_reason": stream.finish_reason,
+            "prompt_tokens": len(stream.request.prompt_ids),
+            "completion_tokens": len(stream.generated_ids),
+            "cached_tokens": stream.cached_tokens,
+            "seed": stream.request.sampler.seed,
+        }), flush=True)
+    sys.stdout.flush()
+    return 0
