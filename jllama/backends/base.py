@@ -14,6 +14,7 @@ with `isinstance` (each is `runtime_checkable`) and uses what is there:
   CompilePlanning  compiling a generation's programs before it starts
   Described        its platform, and notes on what `prepare` chose
   SlotCaches       more than one sequence's KV cache, switched between without copies
+  BatchDecode      one token for each of several sequences (their own caches) per call
 """
 
 from __future__ import annotations
@@ -138,6 +139,19 @@ class SlotCaches(Protocol):
         """Run on `caches` (from `new_caches`, or returned by an earlier call) from now on;
         returns the caches in use before."""
         ...
+
+
+@runtime_checkable
+class BatchDecode(Protocol):
+    """A `SlotCaches` backend that decodes one token for each of several sequences per call."""
+
+    def decode_batch(self, tokens: Sequence[int], positions: Sequence[int],
+                     caches: Sequence[object]) -> np.ndarray:
+        """Logits f32[B, vocab_size]: row b is what `forward(tokens[b], positions[b])`
+        returns on caches[b] (from `new_caches`), and caches[b] is updated as that forward
+        would; the caches in use stay in use."""
+        ...
+
 
 def check_token_pos(config: ModelConfig, token: int, pos: int) -> tuple[int, int]:
     """`(token, pos)` as Python ints.

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 from jllama import graphs
 from jllama import kernels
+from jllama.backends.jax_batch import BatchSteps
 from jllama.backends.jax_caches import LazyBlocks, layer_caches
 from jllama.backends.jax_compile import CompilePlan
 from jllama.backends.jax_loop import LOOP_CHUNK, LOOP_STOP_IDS
@@ -67,7 +68,7 @@ __all__ = [
 ]
 
 
-class JaxGraphBackend(CompilePlan):
+class JaxGraphBackend(CompilePlan, BatchSteps):
     """Graph-compiled backend over per-layer device arrays and per-layer head-major caches.
 
     Args:
@@ -103,7 +104,8 @@ class JaxGraphBackend(CompilePlan):
       platform: the device's platform ("cpu", "gpu", "tpu").
 
     It satisfies every protocol of `jllama.backends.base`: `Backend`, `Prefill`,
-    `PrefillLogits`, `DeviceLoop`, `CompilePlanning` and `Described` (`notes` gathers
+    `PrefillLogits`, `DeviceLoop`, `CompilePlanning`, `Described`, `SlotCaches` and
+    `BatchDecode` (`jax_batch.BatchSteps.decode_batch`) (`notes` gathers
     matvec_note, weights_note and sharding_notes as lines for the user).
     """
 

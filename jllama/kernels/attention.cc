@@ -36,61 +36,64 @@ struct Attention {
   int64_t n_kv, kv_mul, head_dim, pos;
 };
 
-// Query heads [begin, end) (head u = g * kv_mul + m attends with key head g): one thread per
-// query head, so the result does not depend on the thread count. (One per key head left a
-// thread idle a third of the time on SmolLM2's 3 key heads and 2 threads.)
-void attention_heads(const Product& p, int64_t begin, int64_t end) {
-  const Attention& a = *static_cast<const Attention*>(p.w);
+// Query head u of `a` (head u = g * kv_mul + m attends with key head g); scores: scratch
+// f32[pos + 1]. Also the batched decode's attention (batch.cc), so a sequence's heads are
+// computed by the same code alone or in a batch.
+inline void attend_head(const Attention& a, int64_t u, float* scores) {
   const int64_t len = a.pos + 1, hd = a.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  std::unique_ptr<float[]> scores(new float[len]);
-  for (int64_t u = begin; u < end; ++u) {
-    {
-      const int64_t g = u / a.kv_mul, m = u % a.kv_mul;
-      const float* q = a.q + (g * a.kv_mul + m) * hd;
-      float* out = a.out + (g * a.kv_mul + m) * hd;
-      float top = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) {
-        scores[t] = dot_head(q, a.keys.row(t, g, hd), hd) * scale;
-        top = std::max(top, scores[t]);
-      }
-      // exp(s - top), summed in 16 lanes then halve16.
-      float lanes[16] = {0};
-      int64_t t = 0;
-#if JLLAMA_AVX512
-      __m512 sum = _mm512_setzero_ps();
-      for (; t + 16 <= len; t += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(&scores[t]), _mm512_set1_ps(top)));
-        _mm512_storeu_ps(&scores[t], e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      _mm512_storeu_ps(lanes, sum);
-#elif JLLAMA_AVX2
-      __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
-      for (; t + 16 <= len; t += 16) {
-        const __m256 lo = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t]), _mm256_set1_ps(top)));
-        const __m256 hi = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t + 8]), _mm256_set1_ps(top)));
-        _mm256_storeu_ps(&scores[t], lo);
-        _mm256_storeu_ps(&scores[t + 8], hi);
-        sum_lo = _mm256_add_ps(sum_lo, lo);
-        sum_hi = _mm256_add_ps(sum_hi, hi);
-      }
-      _mm256_storeu_ps(lanes, sum_lo);
-      _mm256_storeu_ps(lanes + 8, sum_hi);
-#endif
-      for (; t < len; ++t) {
-        scores[t] = std::exp(scores[t] - top);
-        lanes[t % 16] += scores[t];
-      }
-      const float inv = 1.0f / halve16(lanes);
-      std::memset(out, 0, sizeof(float) * hd);
-      for (t = 0; t < len; ++t) {
-        const float w = scores[t] * inv;
-        const float* v = a.values.row(t, g, hd);
-        for (int64_t d = 0; d < hd; ++d) out[d] += w * v[d];
-      }
-    }
+  const int64_t g = u / a.kv_mul, m = u % a.kv_mul;
+  const float* q = a.q + (g * a.kv_mul + m) * hd;
+  float* out = a.out + (g * a.kv_mul + m) * hd;
+  float top = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) {
+    scores[t] = dot_head(q, a.keys.row(t, g, hd), hd) * scale;
+    top = std::max(top, scores[t]);
   }
+  // exp(s - top), summed in 16 lanes then halve16.
+  float lanes[16] = {0};
+  int64_t t = 0;
+#if JLLAMA_AVX512
+  __m512 sum = _mm512_setzero_ps();
+  for (; t + 16 <= len; t += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(&scores[t]), _mm512_set1_ps(top)));
+    _mm512_storeu_ps(&scores[t], e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  _mm512_storeu_ps(lanes, sum);
+#elif JLLAMA_AVX2
+  __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+  for (; t + 16 <= len; t += 16) {
+    const __m256 lo = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t]), _mm256_set1_ps(top)));
+    const __m256 hi = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t + 8]), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(&scores[t], lo);
+    _mm256_storeu_ps(&scores[t + 8], hi);
+    sum_lo = _mm256_add_ps(sum_lo, lo);
+    sum_hi = _mm256_add_ps(sum_hi, hi);
+  }
+  _mm256_storeu_ps(lanes, sum_lo);
+  _mm256_storeu_ps(lanes + 8, sum_hi);
+#endif
+  for (; t < len; ++t) {
+    scores[t] = std::exp(scores[t] - top);
+    lanes[t % 16] += scores[t];
+  }
+  const float inv = 1.0f / halve16(lanes);
+  std::memset(out, 0, sizeof(float) * hd);
+  for (t = 0; t < len; ++t) {
+    const float w = scores[t] * inv;
+    const float* v = a.values.row(t, g, hd);
+    for (int64_t d = 0; d < hd; ++d) out[d] += w * v[d];
+  }
+}
+
+// Query heads [begin, end): one thread per query head, so the result does not depend on the
+// thread count. (One per key head left a thread idle a third of the time on SmolLM2's 3 key
+// heads and 2 threads.)
+void attention_heads(const Product& p, int64_t begin, int64_t end) {
+  const Attention& a = *static_cast<const Attention*>(p.w);
+  std::unique_ptr<float[]> scores(new float[a.pos + 1]);
+  for (int64_t u = begin; u < end; ++u) attend_head(a, u, scores.get());
 }
 
 bool same(const ffi::AnyBuffer::Dimensions& a, const ffi::AnyBuffer::Dimensions& b) {
@@ -425,6 +428,28 @@ inline void rotate(const float* in, const float* cos, const float* sin, int64_t 
   }
 }
 
+// One token's RoPE and cache write (`RopeWriteF32`; also the batched decode's, batch.cc): x,
+// its qkv f32[(n_heads + 2 n_kv) hd]; q: f32[n_heads, hd] out; keys, values: the blocks
+// f32[n_kv, block, hd] holding p, written at p % block.
+inline void rope_write_one(const float* x, int64_t p, const float* inv_freq, int64_t n_heads,
+                           int64_t n_kv, int64_t hd, int64_t block, float* q, float* keys,
+                           float* values) {
+  std::unique_ptr<float[]> cs(new float[hd]);
+  float *cos = cs.get(), *sin = cs.get() + hd / 2;
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    const float angle = static_cast<float>(p) * inv_freq[i];
+    cos[i] = std::cos(angle);
+    sin[i] = std::sin(angle);
+  }
+  for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * hd, cos, sin, hd, q + h * hd);
+  const float *k = x + n_heads * hd, *v = k + n_kv * hd;
+  const int64_t at = p % block;
+  for (int64_t g = 0; g < n_kv; ++g) {
+    rotate(k + g * hd, cos, sin, hd, keys + (g * block + at) * hd);
+    std::memcpy(values + (g * block + at) * hd, v + g * hd, sizeof(float) * hd);
+  }
+}
+
 ffi::Error RopeWriteF32(F32Vector qkv, S32Scalar pos, F32Vector inv_freq, F32Heads key_block,
                         F32Heads value_block, F32MatrixResult q, F32HeadsResult key_out,
                         F32HeadsResult value_out) {
@@ -445,21 +470,8 @@ ffi::Error RopeWriteF32(F32Vector qkv, S32Scalar pos, F32Vector inv_freq, F32Hea
     std::memcpy(key_out->typed_data(), key_block.typed_data(), bytes);
   if (value_out->typed_data() != value_block.typed_data())
     std::memcpy(value_out->typed_data(), value_block.typed_data(), bytes);
-  std::unique_ptr<float[]> cs(new float[hd]);
-  float *cos = cs.get(), *sin = cs.get() + hd / 2;
-  for (int64_t i = 0; i < hd / 2; ++i) {
-    const float angle = static_cast<float>(p) * inv_freq.typed_data()[i];
-    cos[i] = std::cos(angle);
-    sin[i] = std::sin(angle);
-  }
-  const float* x = qkv.typed_data();
-  for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * hd, cos, sin, hd, q->typed_data() + h * hd);
-  const float *k = x + n_heads * hd, *v = k + n_kv * hd;
-  const int64_t at = p % block;
-  for (int64_t g = 0; g < n_kv; ++g) {
-    rotate(k + g * hd, cos, sin, hd, key_out->typed_data() + (g * block + at) * hd);
-    std::memcpy(value_out->typed_data() + (g * block + at) * hd, v + g * hd, sizeof(float) * hd);
-  }
+  rope_write_one(qkv.typed_data(), p, inv_freq.typed_data(), n_heads, n_kv, hd, block,
+                 q->typed_data(), key_out->typed_data(), value_out->typed_data());
   return ffi::Error::Success();
 }
 

@@ -71,6 +71,9 @@ struct Product {
   Span spans[kMaxSpans] = {};
   int n_spans = 0;
   int64_t unit = 1;
+  // A batched product (batch.cc): x is f32[batch, n], y f32[batch, stride]; each row of the
+  // weights is read once for the batch's vectors, each vector's sum computed as alone.
+  int64_t batch = 1, stride = 0;
 
   void weights(const void* data, int64_t m, int64_t row_bytes) {
     spans[0] = Span{static_cast<const char*>(data), 0, m, row_bytes};

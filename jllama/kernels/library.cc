@@ -7,4 +7,5 @@
 #include "ggml_products.cc"
 #include "attention.cc"
 #include "sampling.cc"
+#include "batch.cc"
 #include "threads.cc"

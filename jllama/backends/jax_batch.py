@@ -1,0 +1,141 @@
+"""The jax backend's batched decode step: one token for each of B sequences, each on its own KV
+cache (`jllama.backends.base.BatchDecode`).
+
+With jllama's CPU kernels (matvec="kernel", one device, float32 / bfloat16 / int8 weights) the
+step runs `graphs.batch`'s programs: per layer one `layer_batch` (the products read each
+weight once for all B rows), then `classifier_batch`. Row b's logits have the bits `forward`
+gives for that sequence alone (the same kernels' sums in the same order; tests/
+test_batch_decode.py), whatever B is. Batches are padded up to one of `graphs.batch.
+BATCH_SIZES` with rows the kernels skip, so the programs compile once per size and cache
+window (the largest `graphs.attention_blocks` among the sequences) and never as requests come
+and go. Otherwise (XLA's products, GGML blocks, split over devices) the step is `forward` per
+sequence on its caches: the same logits, no faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jllama import graphs, kernels
+from jllama.backends.base import check_token_pos
+from jllama.backends.jax_state import JaxState
+from jllama.graphs.batch import BATCH_SIZES, classifier_batch, layer_batch
+from jllama.quant import embedding_rows
+
+
+def batch_size(b: int) -> int:
+    """The compiled batch size a batch of b (1 <= b <= max(BATCH_SIZES)) runs in."""
+    return next(size for size in BATCH_SIZES if size >= b)
+
+
+class BatchSteps(JaxState):
+    """`decode_batch` of `JaxGraphBackend`, over the state `jax_state.JaxState` names."""
+
+    _pad_blocks: list
+
+    def batch_kernels(self) -> bool:
+        """Whether `decode_batch` runs the batched programs (else `forward` per sequence)."""
+        self._prepared("decode_batch")
+        if self.matvec != "kernel" or self.tensor_parallel is not None:
+            return False
+        layer = self.layers[0]
+        return all(kernels.batch_supported(w) for w in
+                   (layer.wqkv, layer.wo, layer.w1, layer.w2, layer.w3, self.wcls))
+
+    def decode_batch(
+        self, tokens: Sequence[int], positions: Sequence[int], caches: Sequence[object]
+    ) -> np.ndarray:
+        """Logits f32[B, vocab_size]: row b is what `forward(tokens[b], positions[b])` returns
+        on `caches[b]` (from `new_caches`, or the ones `use_caches` returned), and each
+        caches[b] is updated as that forward would update it. The caches in use
+        (`use_caches`) stay in use.
+
+        Raises:
+          ValueError: lengths that differ, an empty batch, a token or position out of range,
+            or one cache given twice.
+          RuntimeError: before `prepare`.
+        """
+        config = self._prepared("decode_batch")
+        tokens, positions, caches = list(tokens), list(positions), list(caches)
+        if not len(tokens) == len(positions) == len(caches):
+            raise ValueError("decode_batch: tokens, positions and caches differ in length")
+        if not tokens:
+            raise ValueError("decode_batch: no sequences")
+        if len({id(c[0]) for c in caches}) != len(caches):
+            raise ValueError("decode_batch: a sequence's caches given twice")
+        pairs = [check_token_pos(config, t, p) for t, p in zip(tokens, positions, strict=True)]
+        if not self.batch_kernels():
+            return self._decode_each(pairs, caches)
+        top = BATCH_SIZES[-1]
+        rows = [self._decode_part(pairs[i:i + top], caches[i:i + top])
+                for i in range(0, len(pairs), top)]
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+    def _decode_each(self, pairs, caches) -> np.ndarray:
+        """The step as `forward` per sequence on its caches."""
+        previous = (self.key_cache, self.value_cache)
+        out = []
+        try:
+            for (token, pos), c in zip(pairs, caches, strict=True):
+                self.key_cache, self.value_cache = c
+                out.append(self.forward(token, pos))
+        finally:
+            self.key_cache, self.value_cache = previous
+        return np.stack(out)
+
+    def _pads(self, n: int) -> list:
+        """n (key, value) block pairs the padding rows hand the kernel (distinct, never
+        read or written)."""
+        if not hasattr(self, "_pad_blocks"):
+            self._pad_blocks = []
+        while len(self._pad_blocks) < n:
+            self._pad_blocks.append((jax.numpy.zeros_like(self._zero_block),
+                                     jax.numpy.zeros_like(self._zero_block)))
+        return self._pad_blocks[:n]
+
+    def _decode_part(self, pairs, caches) -> np.ndarray:
+        """At most max(BATCH_SIZES) sequences through the batched programs."""
+        config = self.config
+        live = len(pairs)
+        size = batch_size(live)
+        bl = self.block_length
+        tokens = np.array([t for t, _ in pairs], np.int64)
+        pos = np.zeros(size, np.int32)
+        pos[:live] = [p for _, p in pairs]
+        k = max(graphs.attention_blocks(config.seq_len, int(p)) for p in pos[:live])
+        x = np.zeros((size, config.dim), np.float32)
+        x[:live] = embedding_rows(self.token_embedding_table, tokens)
+        x = self._put(x)
+        pos_arr = self._put(pos)
+        count = self._put(np.int32(live))
+        cur = [int(p) // bl for p in pos[:live]]
+        self._pads(size - live)
+        zero = self._zero_block
+        for l, layer in enumerate(self.layers):
+            key_current, value_current, key_blocks, value_blocks = [], [], [], []
+            for b, (keys, values) in enumerate(caches):
+                kc, vc = keys[l], values[l]
+                key_current.append(kc[cur[b]])
+                value_current.append(vc[cur[b]])
+                key_blocks.extend(kc[j] if j < cur[b] else zero for j in range(k))
+                value_blocks.extend(vc[j] if j < cur[b] else zero for j in range(k))
+            for kp, vp in self._pad_blocks[:size - live]:
+                key_current.append(kp)
+                value_current.append(vp)
+                key_blocks.extend([zero] * k)
+                value_blocks.extend([zero] * k)
+            x, new_keys, new_values = layer_batch(
+                config, x, count, pos_arr, layer.rms_att_weight, layer.wqkv, layer.wo,
+                layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3, self.inv_freq,
+                tuple(key_current), tuple(value_current), tuple(key_blocks), tuple(value_blocks),
+            )
+            for b, (keys, values) in enumerate(caches):
+                keys[l][cur[b]] = new_keys[b]
+                values[l][cur[b]] = new_values[b]
+            for i in range(size - live):
+                self._pad_blocks[i] = (new_keys[live + i], new_values[live + i])
+        logits = classifier_batch(config, x, count, self.rms_final_weight, self.wcls)
+        return np.asarray(logits)[:live]

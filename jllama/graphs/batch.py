@@ -1,0 +1,92 @@
+"""The batched decode step's compiled programs (matvec="kernel", one CPU device): B sequences,
+each at its own position on its own KV cache, one token each.
+
+  layer_batch       one layer for the B tokens: the stacked QKV product for all of them
+                    (attention RMSNorm inside), each sequence's RoPE, cache write and attention
+                    on its own blocks, wo + residual, FFN RMSNorm + w1 / w3, SwiGLU + w2 +
+                    residual
+  classifier_batch  final RMSNorm + wcls for the B rows
+
+Each product reads a weight row once for all B vectors (`jllama.kernels.matvec_batch`), and
+each row's sum is the single-vector kernel's, so row b has the bits of `forward` for that
+sequence alone (batch invariance). Compiled once per batch size (the backend pads B up to one
+of `BATCH_SIZES`) and, for `layer_batch`, per count K of cache blocks read (the largest
+`attention_blocks` among the sequences, as `forward` compiles one attention per K); rows from
+`count` on are padding the kernels skip.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jllama import kernels
+from jllama.config import ModelConfig
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+"""The batch sizes the batched programs are compiled for: a batch of B runs in the smallest
+that holds it (more than 32: in parts of 32)."""
+
+
+@functools.partial(
+    jax.jit, static_argnums=0, donate_argnames=("key_current", "value_current")
+)
+def layer_batch(
+    config: ModelConfig,
+    x: jax.Array,
+    count: jax.Array,
+    pos: jax.Array,
+    rms_att_weight: jax.Array,
+    wqkv,
+    wo,
+    rms_ffn_weight: jax.Array,
+    w1,
+    w2,
+    w3,
+    inv_freq: jax.Array,
+    key_current: tuple,
+    value_current: tuple,
+    key_blocks: tuple,
+    value_blocks: tuple,
+) -> tuple[jax.Array, tuple, tuple]:
+    """One layer of the batched decode step, as `qkv` + `attention` + `block` per sequence.
+
+    Args:
+      config: static.
+      x: f32[B, dim], the sequences' residual streams.
+      count: int32 scalar, the real rows (the rest is padding).
+      pos: int32[B], each sequence's position.
+      rms_att_weight, wqkv, wo, rms_ffn_weight, w1, w2, w3: the layer's arrays
+        (`jllama.weights.LayerWeights`; f32, bf16 or `Int8Matrix`).
+      inv_freq: f32[head_dim // 2].
+      key_current, value_current: B blocks each, sequence b's block holding pos[b]; donated
+        (updated in place).
+      key_blocks, value_blocks: B * K blocks each (`jllama.kernels.rope_attend_batch`).
+
+    Returns:
+      (x f32[B, dim] leaving the layer, key_current, value_current written).
+    """
+    eps = config.norm_eps
+    with jax.named_scope("qkv_batch"):
+        qkv = kernels.matvec_batch(wqkv, x, count, norm=rms_att_weight, eps=eps)
+    with jax.named_scope("attention_batch"):
+        att, key_current, value_current = kernels.rope_attend_batch(
+            qkv, pos, count, inv_freq, key_current, value_current, key_blocks, value_blocks
+        )
+    with jax.named_scope("wo_batch"):
+        x = kernels.matvec_batch(wo, att, count, add=x)
+    with jax.named_scope("ffn_batch"):
+        up = kernels.matvec_batch(w1, x, count, norm=rms_ffn_weight, eps=eps)
+        gate = kernels.matvec_batch(w3, x, count, norm=rms_ffn_weight, eps=eps)
+        x = kernels.matvec_batch(w2, up, count, gate=gate, add=x)
+    return x, key_current, value_current
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def classifier_batch(
+    config: ModelConfig, x: jax.Array, count: jax.Array, rms_final_weight: jax.Array, wcls
+) -> jax.Array:
+    """Logits f32[B, vocab_size] for the B rows of x (f32[B, dim]), as `classifier` per row."""
+    with jax.named_scope("classifier_batch"):
+        return kernels.matvec_batch(wcls, x, count, norm=rms_final_weight, eps=config.norm_eps)

@@ -1,0 +1,308 @@
+// A decode step of B sequences at once (`JaxGraphBackend.decode_batch`): the products read each
+// weight row once for all B vectors, and each sequence's RoPE, cache write and attention run on
+// its own caches. Batch invariant: every (row, vector) sum is `dot`'s (simd.h) over the same
+// input as the single-vector kernels' (matvec.cc), and every sequence's attention is
+// `attend_head` after `rope_write_one` (attention.cc), so row b of a batch has the bits of that
+// sequence decoded alone, whatever B is and whatever the other rows hold.
+//
+//   jllama_matvec_batch_f32 / _bf16 / _int8 / _int8_groups
+//       y[b, i] = (add[b, i] +) w[i, :] . f(x[b, :])   x: f32[B, n], y: f32[B, m]
+//       f: RMSNorm with one weight f32[n] (prologue 1), or silu(x[b]) * gate[b] with gate
+//       f32[B, n] (prologue 2); residual: add f32[B, m]. Only rows b < count are computed (the
+//       others, padding up to a compiled batch size, are zeros).
+//   jllama_rope_attend_batch_f32
+//       per sequence b < count: `rope_write` of qkv[b] at pos[b] into its current cache blocks,
+//       then `attention` over its blocks; att: f32[B, n_heads * head_dim].
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace jllama {
+namespace {
+
+#if JLLAMA_AVX512
+// `dot` (simd.h, AVX-512) of one row w with V vectors x, x + n, ..., x + (V - 1) n at once: each
+// vector's four accumulators take exactly `dot`'s multiply-adds in `dot`'s order and end in its
+// tree, so out[v] has `dot(w, x + v n, n)`'s bits; the row's weights are widened once for the V
+// vectors (half the loads of V separate dots, and V independent chains).
+template <typename T, int V, bool Stream>
+inline void dot_many(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
+  __m512 a[V][4];
+  for (int v = 0; v < V; ++v)
+    for (int k = 0; k < 4; ++k) a[v][k] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    if (Stream) stream_ahead(w + i);
+    for (int k = 0; k < 4; ++k) {
+      const __m512 wv = widen16(w + i + 16 * k);
+      for (int v = 0; v < V; ++v)
+        a[v][k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + v * n + i + 16 * k), a[v][k]);
+    }
+  }
+  for (int r = 0; i < n; ++r, i += 16) {
+    __mmask16 keep = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 wv = widen16(w + i, keep);
+    for (int v = 0; v < V; ++v)
+      a[v][r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(keep, x + v * n + i), a[v][r]);
+  }
+  for (int v = 0; v < V; ++v)
+    out[v * out_stride] =
+        halve16(_mm512_add_ps(_mm512_add_ps(a[v][0], a[v][1]), _mm512_add_ps(a[v][2], a[v][3])));
+}
+#endif
+
+// y[b, r] = dot(row r, x[b]) for the p.batch vectors (the row stays in L1 between them): with
+// AVX-512 four vectors at a time (`dot_many`), else one. The first pass streams the weights
+// ahead as a single product's does; the sums are the same either way.
+template <typename T>
+inline void row_batch(const Product& p, const T* row, int64_t r) {
+  int64_t b = 0;
+#if JLLAMA_AVX512
+  constexpr int V = 4;
+  if (p.batch >= V) {
+    if (p.stream) dot_many<T, V, true>(row, p.x, p.n, p.y + r, p.stride);
+    else dot_many<T, V, false>(row, p.x, p.n, p.y + r, p.stride);
+    for (b = V; b + V <= p.batch; b += V)
+      dot_many<T, V, false>(row, p.x + b * p.n, p.n, p.y + b * p.stride + r, p.stride);
+  }
+#endif
+  if (b == 0 && b < p.batch) {
+    p.y[r] = p.stream ? dot<T, true>(row, p.x, p.n) : dot<T, false>(row, p.x, p.n);
+    b = 1;
+  }
+  for (; b < p.batch; ++b) p.y[b * p.stride + r] = dot<T, false>(row, p.x + b * p.n, p.n);
+}
+
+// Rows [begin, end) of a batched product.
+template <typename T>
+void rows_batch(const Product& p, int64_t begin, int64_t end) {
+  const T* w = static_cast<const T*>(p.w);
+  for (int64_t r = begin; r < end; ++r) row_batch<T>(p, w + r * p.n, r);
+}
+
+void rows_batch_int8(const Product& p, int64_t begin, int64_t end) {
+  const int8_t* q = static_cast<const int8_t*>(p.w);
+  for (int64_t r = begin; r < end; ++r) {
+    row_batch<int8_t>(p, q + r * p.n, r);
+    for (int64_t b = 0; b < p.batch; ++b) p.y[b * p.stride + r] *= p.scale[r];
+  }
+}
+
+void rows_batch_int8_groups(const Product& p, int64_t begin, int64_t end) {
+  const int8_t* q = static_cast<const int8_t*>(p.w);
+  const int64_t groups = p.groups, size = p.n / groups;
+  for (int64_t r = begin; r < end; ++r) {
+    const int8_t* row = q + r * p.n;
+    const float* scale = p.scale + r * groups;
+    p.y[r] = p.stream ? dot_int8_groups<true>(row, scale, p.x, p.n, size)
+                      : dot_int8_groups<false>(row, scale, p.x, p.n, size);
+    for (int64_t b = 1; b < p.batch; ++b)
+      p.y[b * p.stride + r] = dot_int8_groups<false>(row, scale, p.x + b * p.n, p.n, size);
+  }
+}
+
+// *out = extra[k] as f32[rows, cols].
+ffi::Error extra_matrix(ffi::RemainingArgs& extra, size_t k, int64_t rows, int64_t cols,
+                        const float** out) {
+  auto v = extra.get<F32Matrix>(k);
+  if (v.has_error()) return v.error();
+  if (v->dimensions()[0] != rows || v->dimensions()[1] != cols)
+    return ffi::Error::InvalidArgument("jllama matvec_batch: a gate's or residual's shape");
+  *out = v->typed_data();
+  return ffi::Error::Success();
+}
+
+// The body of the batched handlers: product p (its weights and rows set) on x f32[B, n] after
+// the prologue, plus the residual, for rows b < count.
+ffi::Error batch_product(ffi::ThreadPool& pool, Product p, int64_t m, F32Matrix& x,
+                         S32Scalar& count, ffi::RemainingArgs& extra, F32MatrixResult& y,
+                         int32_t prologue, float eps, int32_t residual) {
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  const int64_t n = p.n, batch = xd[0];
+  if (xd[1] != n || yd[0] != batch || yd[1] != m)
+    return ffi::Error::InvalidArgument("jllama matvec_batch: w[m, n], x[B, n] and y[B, m] do not agree");
+  if (prologue < kPlain || prologue > kSwiGlu)
+    return ffi::Error::InvalidArgument("jllama matvec_batch: unknown prologue");
+  if (extra.size() != static_cast<size_t>((prologue != kPlain) + (residual != 0)))
+    return ffi::Error::InvalidArgument("jllama matvec_batch: the extra arrays do not match the attributes");
+  const int64_t live = std::clamp<int64_t>(*count.typed_data(), 0, batch);
+  const float* in = x.typed_data();
+  std::unique_ptr<float[]> prepared;
+  if (prologue == kRmsNorm) {
+    const float* weight;
+    if (ffi::Error e = extra_vector(extra, 0, n, &weight); e.failure()) return e;
+    prepared.reset(new float[std::max<int64_t>(1, live) * n]);
+    for (int64_t b = 0; b < live; ++b) rmsnorm(in + b * n, weight, eps, n, prepared.get() + b * n);
+    in = prepared.get();
+  } else if (prologue == kSwiGlu) {
+    const float* gate;
+    if (ffi::Error e = extra_matrix(extra, 0, batch, n, &gate); e.failure()) return e;
+    prepared.reset(new float[std::max<int64_t>(1, live) * n]);
+    for (int64_t b = 0; b < live; ++b)
+      swiglu(in + b * n, gate + b * n, n, prepared.get() + b * n);
+    in = prepared.get();
+  }
+  const float* add = nullptr;
+  if (residual != 0)
+    if (ffi::Error e = extra_matrix(extra, extra.size() - 1, batch, m, &add); e.failure()) return e;
+  float* out = y->typed_data();
+  if (live > 0) {
+    p.x = in, p.y = out, p.batch = live, p.stride = m;
+    run(pool.num_threads(), p, m);
+    if (add != nullptr)
+      for (int64_t i = 0; i < live * m; ++i) out[i] = add[i] + out[i];
+  }
+  std::memset(out + live * m, 0, sizeof(float) * (batch - live) * m);
+  return ffi::Error::Success();
+}
+
+template <typename T, typename Matrix>
+ffi::Error MatvecBatchFloat(ffi::ThreadPool pool, Matrix w, F32Matrix x, S32Scalar count,
+                            ffi::RemainingArgs extra, F32MatrixResult y, int32_t prologue,
+                            float eps, int32_t residual) {
+  const int64_t m = w.dimensions()[0], n = w.dimensions()[1];
+  Product p{rows_batch<T>, w.untyped_data(), nullptr, nullptr, nullptr, n};
+  p.weights(w.untyped_data(), m, n * static_cast<int64_t>(sizeof(T)));
+  return batch_product(pool, p, m, x, count, extra, y, prologue, eps, residual);
+}
+constexpr auto MatvecBatchF32 = MatvecBatchFloat<float, F32Matrix>;
+constexpr auto MatvecBatchBf16 = MatvecBatchFloat<uint16_t, Bf16Matrix>;
+
+ffi::Error MatvecBatchInt8(ffi::ThreadPool pool, Int8Matrix q, F32Vector scale, F32Matrix x,
+                           S32Scalar count, ffi::RemainingArgs extra, F32MatrixResult y,
+                           int32_t prologue, float eps, int32_t residual) {
+  const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
+  if (scale.dimensions()[0] != m)
+    return ffi::Error::InvalidArgument("jllama matvec_batch_int8: scale must be f32[m]");
+  Product p{rows_batch_int8, q.typed_data(), scale.typed_data(), nullptr, nullptr, n};
+  p.weights(q.untyped_data(), m, n);
+  return batch_product(pool, p, m, x, count, extra, y, prologue, eps, residual);
+}
+
+ffi::Error MatvecBatchInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale,
+                                 F32Matrix x, S32Scalar count, ffi::RemainingArgs extra,
+                                 F32MatrixResult y, int32_t prologue, float eps,
+                                 int32_t residual) {
+  const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
+  const int64_t groups = scale.dimensions()[1];
+  if (scale.dimensions()[0] != m || groups < 1 || n % groups != 0)
+    return ffi::Error::InvalidArgument(
+        "jllama matvec_batch_int8_groups: scale must be f32[m, G] with G dividing n");
+  Product p{rows_batch_int8_groups, q.typed_data(), scale.typed_data(), nullptr, nullptr, n,
+            groups};
+  p.weights(q.untyped_data(), m, n);
+  return batch_product(pool, p, m, x, count, extra, y, prologue, eps, residual);
+}
+
+template <typename... Args>
+auto batch_binding() {
+  return prologue_attrs(args<Args...>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
+                            .RemainingArgs()
+                            .template Ret<F32Matrix>());
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE, cache write and attention of B sequences, each on its own cache (one layer's).
+
+struct BatchAttention {
+  std::vector<Attention> seqs;  // the live sequences'
+  int64_t heads;                // query heads per sequence
+  int64_t longest;              // the most positions a sequence attends over
+};
+
+// Units [begin, end): unit u is query head u % heads of sequence u / heads.
+void attention_batch_units(const Product& p, int64_t begin, int64_t end) {
+  const BatchAttention& a = *static_cast<const BatchAttention*>(p.w);
+  std::unique_ptr<float[]> scores(new float[a.longest]);
+  for (int64_t u = begin; u < end; ++u) attend_head(a.seqs[u / a.heads], u % a.heads, scores.get());
+}
+
+// Arguments: qkv f32[B, (n_heads + 2 n_kv) hd], pos s32[B], count s32, inv_freq f32[hd / 2],
+// then the remaining: B current key blocks, B current value blocks (block pos[b] / block_length
+// of sequence b, aliased to the results 1 .. 2B), then B * K key blocks (sequence b's blocks
+// 0 .. K-1 at b * K ..; the slot of its current block and any it does not reach are not read),
+// then B * K value blocks. Results: att f32[B, n_heads * hd], then the 2B current blocks.
+ffi::Error RopeAttendBatchF32(ffi::ThreadPool pool, F32Matrix qkv, S32Vector pos,
+                              S32Scalar count, F32Vector inv_freq, ffi::RemainingArgs blocks,
+                              F32MatrixResult att, ffi::RemainingRets current) {
+  const int64_t batch = qkv.dimensions()[0], width = qkv.dimensions()[1];
+  const int64_t hd = 2 * inv_freq.dimensions()[0];
+  if (pos.dimensions()[0] != batch || att->dimensions()[0] != batch ||
+      current.size() != static_cast<size_t>(2 * batch) ||
+      blocks.size() < static_cast<size_t>(4 * batch) || (blocks.size() - 2 * batch) % (2 * batch) != 0)
+    return ffi::Error::InvalidArgument(
+        "jllama rope_attend_batch: qkv[B, .], pos[B], 2B current blocks and 2B * K blocks");
+  const int64_t k_blocks = static_cast<int64_t>((blocks.size() - 2 * batch) / (2 * batch));
+  const int64_t live = std::clamp<int64_t>(*count.typed_data(), 0, batch);
+  auto first = blocks.get<F32Heads>(0);
+  if (first.has_error()) return first.error();
+  const auto cd = first->dimensions();
+  const int64_t n_kv = cd[0], block = cd[1];
+  const int64_t q_dim = att->dimensions()[1], n_heads = q_dim / std::max<int64_t>(1, hd);
+  if (cd[2] != hd || n_heads * hd != q_dim || (n_heads + 2 * n_kv) * hd != width ||
+      n_kv < 1 || n_heads % n_kv != 0)
+    return ffi::Error::InvalidArgument(
+        "jllama rope_attend_batch: qkv, att, inv_freq and the blocks' shapes do not agree");
+  std::unique_ptr<const float*[]> ptrs(new const float*[2 * batch * k_blocks]);
+  for (int64_t i = 0; i < 2 * batch * k_blocks; ++i) {
+    auto b = blocks.get<F32Heads>(2 * batch + i);
+    if (b.has_error()) return b.error();
+    if (!same(b->dimensions(), cd))
+      return ffi::Error::InvalidArgument("jllama rope_attend_batch: blocks of one shape");
+    ptrs[i] = b->typed_data();
+  }
+  const size_t bytes = sizeof(float) * n_kv * block * hd;
+  std::unique_ptr<float[]> q(new float[std::max<int64_t>(1, live) * q_dim]);
+  BatchAttention work{{}, n_heads, 1};
+  work.seqs.reserve(live);
+  for (int64_t b = 0; b < live; ++b) {
+    const int64_t p = pos.typed_data()[b];
+    if (p < 0 || p >= k_blocks * block)
+      return ffi::Error::InvalidArgument("jllama rope_attend_batch: pos outside the blocks given");
+    float* cur[2];
+    for (int kv = 0; kv < 2; ++kv) {
+      auto in = blocks.get<F32Heads>(kv * batch + b);
+      auto out = current.get<F32Heads>(kv * batch + b);
+      if (in.has_error()) return in.error();
+      if (out.has_error()) return out.error();
+      if (!same(in->dimensions(), cd) || !same((*out)->dimensions(), cd))
+        return ffi::Error::InvalidArgument("jllama rope_attend_batch: blocks of one shape");
+      cur[kv] = (*out)->typed_data();
+      if (cur[kv] != in->typed_data()) std::memcpy(cur[kv], in->typed_data(), bytes);
+    }
+    rope_write_one(qkv.typed_data() + b * width, p, inv_freq.typed_data(), n_heads, n_kv, hd,
+                   block, q.get() + b * q_dim, cur[0], cur[1]);
+    const int64_t c = p / block;
+    work.seqs.push_back(Attention{q.get() + b * q_dim, att->typed_data() + b * q_dim,
+                                  Cache{ptrs.get() + b * k_blocks, cur[0], c, block},
+                                  Cache{ptrs.get() + (batch + b) * k_blocks, cur[1], c, block},
+                                  n_kv, n_heads / n_kv, hd, p});
+    work.longest = std::max(work.longest, p + 1);
+  }
+  std::memset(att->typed_data() + live * q_dim, 0, sizeof(float) * (batch - live) * q_dim);
+  if (live > 0)
+    run(pool.num_threads(),
+        Product{attention_batch_units, &work, nullptr, nullptr, nullptr, 2 * work.longest * hd},
+        live * n_heads);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_batch_f32, MatvecBatchF32,
+                              (batch_binding<F32Matrix, F32Matrix, S32Scalar>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_batch_bf16, MatvecBatchBf16,
+                              (batch_binding<Bf16Matrix, F32Matrix, S32Scalar>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_batch_int8, MatvecBatchInt8,
+                              (batch_binding<Int8Matrix, F32Vector, F32Matrix, S32Scalar>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_batch_int8_groups, MatvecBatchInt8Groups,
+                              (batch_binding<Int8Matrix, F32Matrix, F32Matrix, S32Scalar>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jllama_rope_attend_batch_f32, RopeAttendBatchF32,
+    (args<F32Matrix, S32Vector, S32Scalar, F32Vector>(  // qkv, pos, count, inv_freq
+         ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
+         .RemainingArgs()  // current blocks, then every sequence's blocks
+         .Ret<F32Matrix>()
+         .RemainingRets()));  // the current blocks, written
+
+}  // namespace jllama

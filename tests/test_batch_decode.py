@@ -1,0 +1,233 @@
+"""The jax backend's batched decode step (`decode_batch`, issue 20): row b's logits bit-identical
+to `forward` of that sequence alone on its own caches, whatever the batch size and the other
+rows; the caches updated as forward updates them; no compilation as batches come and go
+within the compiled sizes and windows."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jllama.backends import make_backend
+from jllama.backends.base import BatchDecode
+from jllama.backends.jax_batch import batch_size
+from jllama.config import ModelConfig
+from jllama.weights import cast_weights, random_weights
+
+GQA = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=300,
+                  seq_len=600, shared_weights=False)
+"""kv_mul 4, three cache blocks of 256 positions (windows of 1, 2 and 3 blocks)."""
+
+
+@pytest.fixture(scope="module")
+def gqa_backend():
+    b = make_backend("jax", matvec="kernel")
+    b.prepare(GQA, random_weights(GQA, seed=4, scale=0.1))
+    return b
+
+
+@pytest.fixture(scope="module")
+def stories_backend(stories260k):
+    config, weights = stories260k
+    b = make_backend("jax", matvec="kernel")
+    b.prepare(config, weights)
+    return b
+
+
+@contextlib.contextmanager
+def _compiles():
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _pairs(backend, starts, seed):
+    """Per start position, two caches holding the same prompt of `start` tokens (one for the
+    batch, one for forward alone)."""
+    rng = np.random.default_rng(seed)
+    vocab = backend.config.vocab_size
+    before = backend.use_caches(backend.new_caches())
+    alone, batched = [], []
+    for start in starts:
+        prompt = [int(t) for t in rng.integers(0, vocab, start)]
+        for group in (alone, batched):
+            c = backend.new_caches()
+            if start:
+                backend.use_caches(c)
+                backend.prefill(prompt, 0)
+            group.append(c)
+    backend.use_caches(before)
+    return alone, batched
+
+
+def _check(backend, starts, steps=3, seed=0):
+    """decode_batch over sequences starting at `starts` against forward on copies, `steps`
+    steps; returns the batched caches."""
+    rng = np.random.default_rng(seed + 1)
+    vocab = backend.config.vocab_size
+    alone, batched = _pairs(backend, starts, seed)
+    in_use = backend.use_caches(backend.new_caches())
+    backend.use_caches(in_use)
+    for step in range(steps):
+        tokens = [int(t) for t in rng.integers(0, vocab, len(starts))]
+        positions = [s + step for s in starts]
+        out = backend.decode_batch(tokens, positions, batched)
+        assert out.shape == (len(starts), vocab) and out.dtype == np.float32
+        for b, (token, pos) in enumerate(zip(tokens, positions, strict=True)):
+            backend.use_caches(alone[b])
+            ref = backend.forward(token, pos)
+            assert np.array_equal(out[b], ref), (step, b, pos, float(np.abs(out[b] - ref).max()))
+        backend.use_caches(in_use)
+    # The caches hold the same bits as forward's.
+    for a, c in zip(alone, batched, strict=True):
+        for la, lc in zip(a[0] + a[1], c[0] + c[1], strict=True):
+            for blk in range(len(la)):
+                if list.__getitem__(la, blk) is not None or list.__getitem__(lc, blk) is not None:
+                    assert np.array_equal(np.asarray(la[blk]), np.asarray(lc[blk]))
+    return batched
+
+
+def _starts(n, seq_len, seed):
+    rng = np.random.default_rng(seed)
+    return [int(s) for s in rng.integers(0, seq_len - 4, n)]
+
+
+def test_protocol(gqa_backend):
+    assert isinstance(gqa_backend, BatchDecode)
+    assert gqa_backend.batch_kernels()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_gqa_bit_identical(gqa_backend, n):
+    # Positions in every window: block 0, 1 and 2, and across a block's end (254 -> 256).
+    starts = ([254, 0, 300, 520, 10, 511, 255, 100] + _starts(n, GQA.seq_len, n))[:n]
+    _check(gqa_backend, starts)
+
+
+def test_gqa_batch_32(gqa_backend):
+    _check(gqa_backend, _starts(32, GQA.seq_len, 32), steps=2)
+
+
+def test_gqa_more_than_32(gqa_backend):
+    _check(gqa_backend, _starts(35, GQA.seq_len, 35), steps=1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_stories260k_bit_identical(stories_backend, n):
+    starts = ([0, 300, 255, 17, 400, 1, 256, 500] + _starts(n, 512, n))[:n]
+    _check(stories_backend, starts)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_narrow_weights(stories260k, dtype):
+    config, weights = stories260k
+    b = make_backend("jax", matvec="kernel")
+    b.prepare(config, cast_weights(weights, dtype))
+    assert b.batch_kernels()
+    _check(b, [0, 300, 5, 256, 100], steps=2)
+
+
+def test_row_does_not_depend_on_neighbours(gqa_backend):
+    """The same sequence alone and beside 1, 7 and 31 others: the same bits."""
+    rows = []
+    for n in (1, 2, 8, 32):
+        starts = [300] + _starts(n - 1, GQA.seq_len, n)
+        _, batched = _pairs(gqa_backend, starts, seed=7)  # sequence 0: the same prompt each time
+        others = [int(t) for t in np.random.default_rng(n).integers(0, 300, n - 1)]
+        rows.append(gqa_backend.decode_batch([5] + others, starts, batched)[0])
+    for r in rows[1:]:
+        assert np.array_equal(r, rows[0])
+
+
+def test_no_recompilation(gqa_backend):
+    """Batch sizes within a compiled size, and positions within a compiled window, compile
+    nothing more."""
+    _, batched = _pairs(gqa_backend, [0] * 8, seed=3)
+    gqa_backend.decode_batch([1] * 8, [0] * 8, batched)  # size 8, one block: compiled now
+    gqa_backend.decode_batch([1] * 2, [1] * 2, batched[:2])
+    with _compiles() as compiled:
+        for n, pos in ((5, 2), (8, 3), (7, 4), (6, 5)):
+            assert batch_size(n) == 8
+            gqa_backend.decode_batch([2] * n, [pos] * n, batched[:n])
+        gqa_backend.decode_batch([3, 4], [6, 6], batched[:2])
+    assert compiled == []
+
+
+def test_xla_products_fall_back_to_forward():
+    b = make_backend("jax", matvec="xla")
+    b.prepare(GQA, random_weights(GQA, seed=4, scale=0.1))
+    assert not b.batch_kernels()
+    _check(b, [0, 260, 3], steps=2)
+
+
+def test_errors(gqa_backend):
+    c = gqa_backend.new_caches()
+    with pytest.raises(ValueError):
+        gqa_backend.decode_batch([1, 2], [0], [c, gqa_backend.new_caches()])
+    with pytest.raises(ValueError):
+        gqa_backend.decode_batch([1, 2], [0, 0], [c, c])
+    with pytest.raises(ValueError):
+        gqa_backend.decode_batch([], [], [])
+    with pytest.raises(ValueError):
+        gqa_backend.decode_batch([GQA.vocab_size], [0], [c])
+    with pytest.raises(ValueError):
+        gqa_backend.decode_batch([0], [GQA.seq_len], [c])
+
+
+def _weights(kind, m, n, rng):
+    import ml_dtypes
+
+    from jllama.quant import Int8Matrix, quantize_int8
+
+    w = rng.standard_normal((m, n)).astype(np.float32)
+    if kind == "bfloat16":
+        return jax.numpy.asarray(w.astype(ml_dtypes.bfloat16))
+    if kind == "int8":
+        q = quantize_int8(w)
+        return Int8Matrix(jax.numpy.asarray(q.q), jax.numpy.asarray(q.scale))
+    if kind == "int8_groups":
+        q = rng.integers(-127, 128, (m, n)).astype(np.int8)
+        scale = rng.random((m, n // 32)).astype(np.float32) / 100
+        return Int8Matrix(jax.numpy.asarray(q), jax.numpy.asarray(scale))
+    return jax.numpy.asarray(w)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int8_groups"])
+@pytest.mark.parametrize("shape", [(300, 96), (70, 172), (1000, 576)])
+def test_matvec_batch_rows_equal_matvec(kind, shape):
+    """Each row of the batched product, with each prologue and the residual, is the single
+    product's bits; rows from count on are zeros."""
+    from jllama import kernels
+
+    kernels.load()
+    rng = np.random.default_rng(sum(shape))
+    m, n = shape
+    if kind == "int8_groups" and n % 32:
+        pytest.skip("groups of 32")
+    w = _weights(kind, m, n, rng)
+    batch, live = 8, 6
+    x = rng.standard_normal((batch, n)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    gate = rng.standard_normal((batch, n)).astype(np.float32)
+    add = rng.standard_normal((batch, m)).astype(np.float32)
+    for options in ({}, {"norm": norm, "eps": 1e-5}, {"gate": gate}, {"add": add},
+                    {"gate": gate, "add": add}, {"norm": norm, "eps": 1e-5, "add": add}):
+        batched = functools.partial(kernels.matvec_batch, **options)
+        out = np.asarray(jax.jit(batched)(w, x, np.int32(live)))
+        assert not out[live:].any()
+        for b in range(live):
+            row = {k: (v[b] if k in ("gate", "add") else v) for k, v in options.items()}
+            ref = np.asarray(jax.jit(functools.partial(kernels.matvec, **row))(w, x[b]))
+            assert np.array_equal(out[b], ref), (kind, shape, sorted(options), b)
