@@ -51,41 +51,46 @@ inline void dot_many(const T* w, const float* x, int64_t n, float* out, int64_t 
 }
 #endif
 
-// y[b, r] = dot(row r, x[b]) for the p.batch vectors (the row stays in L1 between them): with
-// AVX-512 four vectors at a time (`dot_many`), else one. The first pass streams the weights
-// ahead as a single product's does; the sums are the same either way.
+// y[b, r] = dot(row r, x[b]) for the vectors b in [b0, b1): with AVX-512 four vectors at a time
+// (`dot_many`), else one. The pass with b0 == 0 streams the weights ahead as a single product's
+// does; the sums are the same either way.
 template <typename T>
-inline void row_batch(const Product& p, const T* row, int64_t r) {
-  int64_t b = 0;
+inline void row_batch(const Product& p, const T* row, int64_t r, int64_t b0, int64_t b1) {
+  int64_t b = b0;
 #if JLLAMA_AVX512
   constexpr int V = 4;
-  if (p.batch >= V) {
-    if (p.stream) dot_many<T, V, true>(row, p.x, p.n, p.y + r, p.stride);
-    else dot_many<T, V, false>(row, p.x, p.n, p.y + r, p.stride);
-    for (b = V; b + V <= p.batch; b += V)
-      dot_many<T, V, false>(row, p.x + b * p.n, p.n, p.y + b * p.stride + r, p.stride);
+  for (; b + V <= b1; b += V) {
+    if (p.stream && b == 0) dot_many<T, V, true>(row, p.x, p.n, p.y + r, p.stride);
+    else dot_many<T, V, false>(row, p.x + b * p.n, p.n, p.y + b * p.stride + r, p.stride);
   }
 #endif
-  if (b == 0 && b < p.batch) {
-    p.y[r] = p.stream ? dot<T, true>(row, p.x, p.n) : dot<T, false>(row, p.x, p.n);
-    b = 1;
-  }
-  for (; b < p.batch; ++b) p.y[b * p.stride + r] = dot<T, false>(row, p.x + b * p.n, p.n);
+  for (; b < b1; ++b)
+    p.y[b * p.stride + r] = p.stream && b == 0 ? dot<T, true>(row, p.x, p.n)
+                                               : dot<T, false>(row, p.x + b * p.n, p.n);
 }
 
-// Rows [begin, end) of a batched product.
+// Rows [begin, end) of a batched product, in tiles of kTileRows rows whose weights stay in L1
+// while groups of kTileVectors vectors pass over them (a vector group stays in L1 too: every
+// row would otherwise read all B vectors from L2). The order of the dots changes nothing of
+// any sum.
+constexpr int64_t kTileRows = 8, kTileVectors = 4;
+
 template <typename T>
 void rows_batch(const Product& p, int64_t begin, int64_t end) {
   const T* w = static_cast<const T*>(p.w);
-  for (int64_t r = begin; r < end; ++r) row_batch<T>(p, w + r * p.n, r);
+  for (int64_t r0 = begin; r0 < end; r0 += kTileRows) {
+    const int64_t r1 = std::min(end, r0 + kTileRows);
+    for (int64_t b0 = 0; b0 < p.batch; b0 += kTileVectors) {
+      const int64_t b1 = std::min(p.batch, b0 + kTileVectors);
+      for (int64_t r = r0; r < r1; ++r) row_batch<T>(p, w + r * p.n, r, b0, b1);
+    }
+  }
 }
 
 void rows_batch_int8(const Product& p, int64_t begin, int64_t end) {
-  const int8_t* q = static_cast<const int8_t*>(p.w);
-  for (int64_t r = begin; r < end; ++r) {
-    row_batch<int8_t>(p, q + r * p.n, r);
-    for (int64_t b = 0; b < p.batch; ++b) p.y[b * p.stride + r] *= p.scale[r];
-  }
+  rows_batch<int8_t>(p, begin, end);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t r = begin; r < end; ++r) p.y[b * p.stride + r] *= p.scale[r];
 }
 
 void rows_batch_int8_groups(const Product& p, int64_t begin, int64_t end) {
