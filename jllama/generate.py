@@ -173,6 +173,11 @@ class Generation:
         self._started_at = started_at
         self.finished = False
         """True once iteration has ended (steps run out, a stop token, or an error)."""
+        self.next_input: tuple[int, int] | None = None
+        """While the generation waits after yielding a token: the (token, pos) its next step
+        feeds through `forward`, so a caller may compute those logits ahead (a batched step
+        over several generations, `jllama.engine`); None when the next step calls no forward
+        (a prefill, the device loop, the end)."""
         self._superseded: str | None = None
         self._tokens = self._run(forward, sample, steps, frozenset(stop_ids), clock)
 
@@ -240,7 +245,10 @@ class Generation:
                     stats.decode_steps += 1
                 if self._stopped_by(next_token, stop_ids):
                     return
+            if i + 1 < steps and (self._decode_loop is None or first_sampled_at is None):
+                self.next_input = (next_token, pos + 1)
             yield Token(id=next_token, prev=token, pos=pos + 1, sampled=sampled)
+            self.next_input = None
             token = next_token
         if first_sampled_at is None:  # the prompt filled every step: all of it was prefill
             stats.prefill_seconds = clock() - start

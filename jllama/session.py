@@ -153,8 +153,8 @@ class Session(SlotsMixin):
                  steps: int | None = None, *, max_tokens: int | None = None,
                  start_pos: int = 0, context_ids: Sequence[int] = (),
                  started_at: float | None = None, host_logits: bool = False,
-                 sample: Callable[..., int] | None = None, slot: Slot | None = None
-                 ) -> Generation:
+                 sample: Callable[..., int] | None = None, slot: Slot | None = None,
+                 ignore_eos: bool = False) -> Generation:
         """A `Generation` of `prompt_ids` from `start_pos`, its programs compiled.
 
         Args:
@@ -173,6 +173,8 @@ class Session(SlotsMixin):
             `LogitsRecorder` around it).
           slot: the `Slot` (from `new_slot`) whose KV cache the generation runs in; None: the
             backend's own.
+          ignore_eos: do not stop at the tokenizer's end-of-generation ids (benchmarks that
+            want a fixed length, as llama.cpp's and vLLM's ignore_eos).
 
         One sequence owns a KV cache at a time: an earlier generation in the same slot that
         has not finished cannot go on once this one starts (iterating it raises RuntimeError).
@@ -203,7 +205,7 @@ class Session(SlotsMixin):
             slot.active.supersede("another generation started in this KV cache (the Session's "
                                   "slot): it owns it now (finish one generation before the next)")
         self._use(slot)
-        stop_ids = tuple(self.tokenizer.stop_ids)
+        stop_ids = () if ignore_eos else tuple(self.tokenizer.stop_ids)
         loop = None
         if self.decode_mode(sampler, host_logits) == "loop":
             loop = LoopDecoder(self.backend, sampler, stop_ids)
@@ -225,7 +227,7 @@ class Session(SlotsMixin):
             sample = restrict_to_vocabulary(sample, self.tokenizer.vocab_size)
         slot.generations += 1
         slot.active = Generation(
-            self._bound(slot, self.backend.forward), prompt_ids, sample, steps,
+            self._slot_forward(slot), prompt_ids, sample, steps,
             stop_ids=stop_ids, start_pos=start_pos,
             prefill=None if prefill is None else self._bound(slot, prefill),
             decode_loop=None if loop is None else self._bound(slot, loop),
@@ -251,7 +253,8 @@ class Session(SlotsMixin):
     def complete(self, prompt: str | Sequence[int], sampler: Sampler | SamplerConfig | None = None,
                  *, max_tokens: int | None = None, stop: Sequence[str] = (),
                  logprobs: int | None = None, cancelled: Callable[[], bool] | None = None,
-                 slot: Slot | None = None, start_pos: int = 0, **sampling) -> Completion:
+                 slot: Slot | None = None, start_pos: int = 0, ignore_eos: bool = False,
+                 **sampling) -> Completion:
         """A raw completion of `prompt` as streamed text (`jllama.streaming.Completion`).
 
         Args:
@@ -261,8 +264,8 @@ class Session(SlotsMixin):
           stop: stop strings, or one (the text ends before the first one found).
           logprobs: top log-probs per token (0: the chosen token's only), None: none.
           cancelled: checked before each token; True ends the stream.
-          slot, start_pos: as `generate` (prompt ids from start_pos, the positions before it
-            kept in the slot's cache: a prefix shared with what it held).
+          slot, start_pos, ignore_eos: as `generate` (prompt ids from start_pos, the positions
+            before it kept in the slot's cache: a prefix shared with what it held).
 
         Returns:
           a `Completion`: iterate it for `Text` pieces; then its `finish_reason` ("stop" for
@@ -286,7 +289,8 @@ class Session(SlotsMixin):
         recorder = LogitsRecorder(sampler) if logprobs is not None else None
         generation = self.generate(ids[start_pos:], sampler, max_tokens=max_tokens,
                                    host_logits=logprobs is not None, sample=recorder,
-                                   slot=slot, start_pos=start_pos, context_ids=ids[:start_pos])
+                                   slot=slot, start_pos=start_pos, context_ids=ids[:start_pos],
+                                   ignore_eos=ignore_eos)
         return Completion(generation, self.tokenizer, stop=stop, logprobs=logprobs,
                           recorder=recorder, cancelled=cancelled, generation=generation)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-from jllama.backends.base import CompilePlanning, Prefill, SlotCaches
+from jllama.backends.base import BatchDecode, CompilePlanning, Prefill, SlotCaches
 from jllama.generate import Generation
 
 
@@ -27,6 +27,7 @@ class Slot:
         self.caches = caches
         self.active: Generation | None = None
         self.generations = 0
+        self.ahead = None  # ((token, pos), logits) computed by `decode_batch` for its next step
 
 
 class SlotsMixin:
@@ -72,6 +73,35 @@ class SlotsMixin:
             return call(*args, **kwargs)
 
         return on_slot
+
+    def _slot_forward(self, slot: Slot):
+        """The backend's `forward` bound to `slot`, answering from the logits `decode_batch`
+        computed ahead for that very (token, pos) when there are some."""
+        if not self._slotted:
+            return self.backend.forward
+        forward = self._bound(slot, self.backend.forward)
+
+        def slot_forward(token: int, pos: int):
+            ahead, slot.ahead = slot.ahead, None
+            if ahead is not None and ahead[0] == (token, pos):
+                return ahead[1]
+            return forward(token, pos)
+
+        return slot_forward
+
+    def decode_batch(self, inputs: Sequence[tuple[Slot, int, int]]) -> bool:
+        """Compute ahead, in one batched step, the logits each slot's generation asks for next:
+        `inputs` are (slot, token, pos) with (token, pos) its `Generation.next_input`; each
+        slot's next `forward(token, pos)` then returns them without a backend call. Row b is
+        bit for bit what that forward returns (`BatchDecode`). Returns False (and computes
+        nothing) where the backend has no batched step or fewer than two slots are given."""
+        if len(inputs) < 2 or not isinstance(self.backend, BatchDecode):
+            return False
+        logits = self.backend.decode_batch([t for _, t, _ in inputs], [p for _, _, p in inputs],
+                                           [slot.caches for slot, _, _ in inputs])
+        for row, (slot, token, pos) in zip(logits, inputs):
+            slot.ahead = ((token, pos), row)
+        return True
 
     def feed(self, tokens: Sequence[int], start_pos: int, slot: Slot | None = None) -> None:
         """Put `tokens` at positions start_pos.. into the slot's KV cache and sample nothing

@@ -42,6 +42,26 @@ def test_requests_side_by_side_give_what_they_give_alone(session):
         assert all(s.finish_reason in ("stop", "length") for s in streams)
 
 
+def test_the_decoding_streams_share_one_batched_step_and_give_the_same_tokens(session):
+    backend = session.backend
+    calls = []
+    batched = backend.decode_batch
+
+    def counted(tokens, positions, caches):
+        calls.append(len(tokens))
+        return batched(tokens, positions, caches)
+
+    requests = _requests(session, n=6, max_tokens=30)
+    alone = [session.text(r.prompt_ids, r.sampler, max_tokens=r.max_tokens) for r in requests]
+    backend.decode_batch = counted
+    try:
+        streams = complete_all(session, requests, n_slots=6)
+    finally:
+        del backend.decode_batch
+    assert [s.text for s in streams] == alone
+    assert calls and max(calls) == 6  # all six decoding at once, one call a step
+
+
 def test_slots_take_turns_and_a_finished_request_frees_its_slot(session):
     order = []
     scheduler = Scheduler(session, n_slots=2, on_piece=lambda s, p: order.append((s, p)))

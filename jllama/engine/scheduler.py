@@ -39,6 +39,7 @@ class Request:
       max_tokens: the most tokens to generate; None: until the context is full.
       stop: stop strings.
       logprobs: top log-probs per token (0: the chosen token's only), None: none.
+      ignore_eos: go on past the end-of-generation ids (fixed-length benchmarks).
     """
 
     prompt_ids: Sequence[int]
@@ -46,6 +47,7 @@ class Request:
     max_tokens: int | None = None
     stop: Sequence[str] = ()
     logprobs: int | None = None
+    ignore_eos: bool = False
 
 
 class Stream:
@@ -153,6 +155,13 @@ class Scheduler:
         """Admit waiting requests into free slots, then advance each running one by a piece
         (or end it). Returns how many are still running or waiting."""
         self._admit()
+        # The next token of every stream that is decoding, in one batched step where the
+        # backend has one (each stream then reads its row instead of calling forward).
+        self.session.decode_batch([
+            (s._slot, *s._completion.generation.next_input) for s in self._running
+            if s._completion is not None and s._completion.generation.next_input is not None
+            and not s._cancelled
+        ])
         for stream in list(self._running):
             if stream._cancelled:
                 self._finish(stream, "cancelled")
@@ -207,7 +216,7 @@ class Scheduler:
         r = stream.request
         stream._completion = self.session.complete(
             ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop, logprobs=r.logprobs,
-            slot=stream._slot, start_pos=stream._fed,
+            slot=stream._slot, start_pos=stream._fed, ignore_eos=r.ignore_eos,
         )
         stream._iterator = iter(stream._completion)
         return False
