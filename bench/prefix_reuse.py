@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--prefix", type=int, default=400, help="words of shared prefix")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default=None, help="jllama serve --dtype")
     args = parser.parse_args()
     args.clients = [1]
     process, url, model = start_server(args, parallel=4)

@@ -43,6 +43,8 @@ def start_server(args, parallel: int = 1) -> tuple[subprocess.Popen, str, str]:
         command.append(f"--checkpoint={args.checkpoint}")
     if args.seq_len:
         command.append(f"--seq_len={args.seq_len}")
+    if args.dtype:
+        command.append(f"--dtype={args.dtype}")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64,
                         help="requests per level (at least one per client)")
     parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--dtype", default=None, help="jllama serve --dtype (e.g. float32)")
     parser.add_argument("--parallel", default="1", help="comma-separated `jllama serve "
                         "--parallel` values: a server for each, in turn (1: one request at a "
                         "time, first in, first out)")

@@ -210,6 +210,7 @@ def test_matvec_batch_rows_equal_matvec(kind, shape):
     """Each row of the batched product, with each prologue and the residual, is the single
     product's bits; rows from count on are zeros."""
     from jllama import kernels
+    from jllama.kernels import batched as batch_kernels
 
     kernels.load()
     rng = np.random.default_rng(sum(shape))
@@ -224,7 +225,7 @@ def test_matvec_batch_rows_equal_matvec(kind, shape):
     add = rng.standard_normal((batch, m)).astype(np.float32)
     for options in ({}, {"norm": norm, "eps": 1e-5}, {"gate": gate}, {"add": add},
                     {"gate": gate, "add": add}, {"norm": norm, "eps": 1e-5, "add": add}):
-        batched = functools.partial(kernels.matvec_batch, **options)
+        batched = functools.partial(batch_kernels.matvec_batch, **options)
         out = np.asarray(jax.jit(batched)(w, x, np.int32(live)))
         assert not out[live:].any()
         for b in range(live):

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jllama import graphs, kernels
+from jllama import graphs
+from jllama.kernels import batched
 from jllama.backends.base import check_token_pos
 from jllama.backends.jax_state import JaxState
 from jllama.graphs.batch import BATCH_SIZES, classifier_batch, layer_batch
@@ -42,7 +43,7 @@ class BatchSteps(JaxState):
         if self.matvec != "kernel" or self.tensor_parallel is not None:
             return False
         layer = self.layers[0]
-        return all(kernels.batch_supported(w) for w in
+        return all(batched.batch_supported(w) for w in
                    (layer.wqkv, layer.wo, layer.w1, layer.w2, layer.w3, self.wcls))
 
     def decode_batch(

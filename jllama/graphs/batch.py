@@ -7,7 +7,7 @@ each at its own position on its own KV cache, one token each.
                     residual
   classifier_batch  final RMSNorm + wcls for the B rows
 
-Each product reads a weight row once for all B vectors (`jllama.kernels.matvec_batch`), and
+Each product reads a weight row once for all B vectors (`jllama.batched.matvec_batch`), and
 each row's sum is the single-vector kernel's, so row b has the bits of `forward` for that
 sequence alone (batch invariance). Compiled once per batch size (the backend pads B up to one
 of `BATCH_SIZES`) and, for `layer_batch`, per count K of cache blocks read (the largest
@@ -21,7 +21,7 @@ import functools
 
 import jax
 
-from jllama import kernels
+from jllama.kernels import batched
 from jllama.config import ModelConfig
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -62,24 +62,24 @@ def layer_batch(
       inv_freq: f32[head_dim // 2].
       key_current, value_current: B blocks each, sequence b's block holding pos[b]; donated
         (updated in place).
-      key_blocks, value_blocks: B * K blocks each (`jllama.kernels.rope_attend_batch`).
+      key_blocks, value_blocks: B * K blocks each (`jllama.batched.rope_attend_batch`).
 
     Returns:
       (x f32[B, dim] leaving the layer, key_current, value_current written).
     """
     eps = config.norm_eps
     with jax.named_scope("qkv_batch"):
-        qkv = kernels.matvec_batch(wqkv, x, count, norm=rms_att_weight, eps=eps)
+        qkv = batched.matvec_batch(wqkv, x, count, norm=rms_att_weight, eps=eps)
     with jax.named_scope("attention_batch"):
-        att, key_current, value_current = kernels.rope_attend_batch(
+        att, key_current, value_current = batched.rope_attend_batch(
             qkv, pos, count, inv_freq, key_current, value_current, key_blocks, value_blocks
         )
     with jax.named_scope("wo_batch"):
-        x = kernels.matvec_batch(wo, att, count, add=x)
+        x = batched.matvec_batch(wo, att, count, add=x)
     with jax.named_scope("ffn_batch"):
-        up = kernels.matvec_batch(w1, x, count, norm=rms_ffn_weight, eps=eps)
-        gate = kernels.matvec_batch(w3, x, count, norm=rms_ffn_weight, eps=eps)
-        x = kernels.matvec_batch(w2, up, count, gate=gate, add=x)
+        up = batched.matvec_batch(w1, x, count, norm=rms_ffn_weight, eps=eps)
+        gate = batched.matvec_batch(w3, x, count, norm=rms_ffn_weight, eps=eps)
+        x = batched.matvec_batch(w2, up, count, gate=gate, add=x)
     return x, key_current, value_current
 
 
@@ -89,4 +89,4 @@ def classifier_batch(
 ) -> jax.Array:
     """Logits f32[B, vocab_size] for the B rows of x (f32[B, dim]), as `classifier` per row."""
     with jax.named_scope("classifier_batch"):
-        return kernels.matvec_batch(wcls, x, count, norm=rms_final_weight, eps=config.norm_eps)
+        return batched.matvec_batch(wcls, x, count, norm=rms_final_weight, eps=config.norm_eps)

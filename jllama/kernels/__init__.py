@@ -64,20 +64,41 @@ MATVEC_GGML, DEQUANTIZE_GGML, ROWS_GGML, MATMUL_GGML = SYMBOLS[9:13]
 """The handlers for GGML blocks (`jllama.ggml_matrix`): a product with stacked parts of any
 types, the parts dequantized to float32, rows of a table dequantized, and the product with the
 T tokens of a prefill chunk."""
-BATCH_TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS[13:16], strict=True))
-"""The batched products' handlers per weight dtype (`matvec_batch`; batch.cc)."""
-GROUPED_INT8_BATCH, ROPE_ATTEND_BATCH = SYMBOLS[16:18]
-"""The batched product for grouped int8, and the batched decode's RoPE, cache write and
-attention (`rope_attend_batch`)."""
 
 PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
 """The matvec handlers' `prologue` attribute (`matvec.cc`): x as given, RMSNorm(x) * norm,
 silu(x) * gate."""
 
 __all__ = ["MATVEC_MODES", "KernelBuildError", "argmax", "attention", "attention_chunk",
-           "attention_chunk_fits", "dequantize", "embedding_rows", "load", "matvec", "matvec_batch",
-           "rope_attend_batch", "rope_write",
+           "attention_chunk_fits", "dequantize", "embedding_rows", "load", "matvec",
+           "prologue_args", "rope_write",
            "sample", "vector_width"]
+
+
+def prologue_args(name: str, norm_shape, gate_shape, add_shape, norm, eps, gate, add
+                  ) -> tuple[list, dict]:
+    """The extra operands and the attributes of a product's prologue and residual (the matvec
+    handlers' `prologue`, `eps`, `residual`), checked: norm of norm_shape, or gate of
+    gate_shape (not both), add of add_shape.
+
+    Raises:
+      ValueError: both norm and gate, or an operand of another shape (naming `name`).
+    """
+    if norm is not None and gate is not None:
+        raise ValueError(f"{name} takes norm or gate, not both")
+    prologue, extra = PROLOGUE_PLAIN, []
+    for kind, v, shape in ((PROLOGUE_RMSNORM, norm, norm_shape), (PROLOGUE_SWIGLU, gate, gate_shape)):
+        if v is not None:
+            if v.shape != tuple(shape):
+                raise ValueError(f"{name}'s norm or gate must be f32{list(shape)}, got {v.shape}")
+            prologue, extra = kind, [v.astype(jnp.float32)]
+    if add is not None:
+        if add.shape != tuple(add_shape):
+            raise ValueError(f"{name}'s add must be f32{list(add_shape)}, got {add.shape}")
+        extra.append(add.astype(jnp.float32))
+    attrs = {"prologue": np.int32(prologue), "eps": np.float32(eps),
+             "residual": np.int32(add is not None)}
+    return extra, attrs
 
 
 @functools.cache
@@ -140,20 +161,7 @@ def matvec(
     out = jax.ShapeDtypeStruct((w.shape[0],), jnp.float32)
     if w.ndim != 2 or x.shape != (w.shape[1],):
         raise ValueError(f"matvec needs w[m, n] and x[n], got {w.shape} and {x.shape}")
-    if norm is not None and gate is not None:
-        raise ValueError("matvec takes norm or gate, not both")
-    prologue, extra = PROLOGUE_PLAIN, []
-    for kind, v in ((PROLOGUE_RMSNORM, norm), (PROLOGUE_SWIGLU, gate)):
-        if v is not None:
-            if v.shape != x.shape:
-                raise ValueError(f"matvec's norm or gate must be x's shape {x.shape}, got {v.shape}")
-            prologue, extra = kind, [v.astype(jnp.float32)]
-    if add is not None:
-        if add.shape != out.shape:
-            raise ValueError(f"matvec's add must be f32[{w.shape[0]}], got {add.shape}")
-        extra.append(add.astype(jnp.float32))
-    attrs = {"prologue": np.int32(prologue), "eps": np.float32(eps),
-             "residual": np.int32(add is not None)}
+    extra, attrs = prologue_args("matvec", x.shape, x.shape, out.shape, norm, eps, gate, add)
     x = x.astype(jnp.float32)
     if isinstance(w, (GGMLMatrix, RowStack, FloatRows)):
         parts, types = _parts(w)
@@ -166,111 +174,6 @@ def matvec(
     if name not in TARGETS or name == "int8":
         raise ValueError(f"matvec has no kernel for {name} weights")
     return jax.ffi.ffi_call(TARGETS[name], out)(w, x, *extra, **attrs)
-
-
-def batch_supported(w) -> bool:
-    """Whether `matvec_batch` takes w: f32 / bf16 [m, n] or an `Int8Matrix` (GGML blocks and
-    stacked float rows not)."""
-    if isinstance(w, Int8Matrix):
-        return True
-    if isinstance(w, (GGMLMatrix, RowStack, FloatRows)):
-        return False
-    return getattr(w, "ndim", 0) == 2 and jnp.dtype(w.dtype).name in ("float32", "bfloat16")
-
-
-def matvec_batch(
-    w,
-    x: jax.Array,
-    count: jax.Array,
-    *,
-    norm: jax.Array | None = None,
-    eps: float = 0.0,
-    gate: jax.Array | None = None,
-    add: jax.Array | None = None,
-) -> jax.Array:
-    """`matvec` for B vectors at once, each weight row read once for all of them (batch.cc):
-    row b of the result has the bits `matvec(w, x[b], norm=norm, eps=eps, gate=gate[b],
-    add=add[b])` gives, whatever B and the other rows are. For tracing inside a jitted program
-    (call `load()` first).
-
-    Args:
-      w: f32[m, n], bf16[m, n] or an `Int8Matrix` (`batch_supported`).
-      x: f32[B, n].
-      count: int32 scalar, the rows of x that are real (0 <= count <= B): rows from count on
-        (padding up to a compiled batch size) are not computed and come back as zeros.
-      norm, eps: as `matvec` (one weight f32[n] for every row).
-      gate: f32[B, n] or None, as `matvec`'s per row.
-      add: f32[B, m] or None, as `matvec`'s per row.
-
-    Returns:
-      f32[B, m].
-    """
-    b, n = x.shape
-    m = w.shape[0]
-    if w.ndim != 2 or w.shape[1] != n:
-        raise ValueError(f"matvec_batch needs w[m, n] and x[B, n], got {w.shape} and {x.shape}")
-    if not batch_supported(w):
-        raise ValueError("matvec_batch takes f32, bf16 or int8 weights")
-    if norm is not None and gate is not None:
-        raise ValueError("matvec_batch takes norm or gate, not both")
-    prologue, extra = PROLOGUE_PLAIN, []
-    if norm is not None:
-        prologue, extra = PROLOGUE_RMSNORM, [norm.astype(jnp.float32)]
-    if gate is not None:
-        if gate.shape != x.shape:
-            raise ValueError(f"matvec_batch's gate must be x's shape {x.shape}, got {gate.shape}")
-        prologue, extra = PROLOGUE_SWIGLU, [gate.astype(jnp.float32)]
-    if add is not None:
-        if add.shape != (b, m):
-            raise ValueError(f"matvec_batch's add must be f32[{b}, {m}], got {add.shape}")
-        extra.append(add.astype(jnp.float32))
-    attrs = {"prologue": np.int32(prologue), "eps": np.float32(eps),
-             "residual": np.int32(add is not None)}
-    out = jax.ShapeDtypeStruct((b, m), jnp.float32)
-    x = x.astype(jnp.float32)
-    count = jnp.asarray(count, jnp.int32)
-    if isinstance(w, Int8Matrix):
-        target = GROUPED_INT8_BATCH if w.grouped else BATCH_TARGETS["int8"]
-        return jax.ffi.ffi_call(target, out)(w.q, w.scale, x, count, *extra, **attrs)
-    return jax.ffi.ffi_call(BATCH_TARGETS[jnp.dtype(w.dtype).name], out)(w, x, count, *extra,
-                                                                         **attrs)
-
-
-def rope_attend_batch(
-    qkv: jax.Array, pos: jax.Array, count: jax.Array, inv_freq: jax.Array,
-    key_current: tuple, value_current: tuple, key_blocks: tuple, value_blocks: tuple,
-) -> tuple[jax.Array, tuple, tuple]:
-    """One layer's RoPE, cache write and attention for B sequences, each on its own cache, in
-    one call (batch.cc): sequence b is `rope_write(qkv[b], pos[b], ...)` into its current
-    blocks, then `attention` over its blocks, by the same code as those two kernels (the same
-    bits). For tracing inside a jitted program (call `load()` first).
-
-    Args:
-      qkv: f32[B, (n_heads + 2 * n_kv_heads) * head_dim], the stacked QKV product's rows.
-      pos: int32[B], each sequence's position.
-      count: int32 scalar: sequences from count on are padding (not computed, not written).
-      inv_freq: f32[head_dim // 2].
-      key_current, value_current: B blocks each, f32[n_kv_heads, block_length, head_dim]:
-        block pos[b] // block_length of sequence b's layer cache, updated in place (aliased to
-        the results: donate them). Distinct buffers.
-      key_blocks, value_blocks: B * K blocks each, sequence b's blocks 0 .. K - 1 at b * K ..;
-        the slot of its current block, and blocks past it, are not read (pass any block).
-
-    Returns:
-      (att f32[B, n_heads * head_dim], key_current, value_current written).
-    """
-    batch = qkv.shape[0]
-    n_kv, _, head_dim = key_current[0].shape
-    n_heads = qkv.shape[1] // head_dim - 2 * n_kv
-    block = jax.ShapeDtypeStruct(key_current[0].shape, jnp.float32)
-    out = (jax.ShapeDtypeStruct((batch, n_heads * head_dim), jnp.float32),
-           *([block] * (2 * batch)))
-    aliases = {4 + i: 1 + i for i in range(2 * batch)}
-    att, *written = jax.ffi.ffi_call(ROPE_ATTEND_BATCH, out, input_output_aliases=aliases)(
-        qkv.astype(jnp.float32), jnp.asarray(pos, jnp.int32), jnp.asarray(count, jnp.int32),
-        inv_freq.astype(jnp.float32), *key_current, *value_current, *key_blocks, *value_blocks,
-    )
-    return att, tuple(written[:batch]), tuple(written[batch:])
 
 
 def _parts(w) -> tuple[list, np.ndarray]:

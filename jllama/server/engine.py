@@ -26,7 +26,7 @@ from jllama.server.errors import APIError
 from jllama.server.metrics import Metrics
 from jllama.streaming import Text, TokenLogprob
 
-__all__ = ["Done", "Engine", "Failed", "Job", "Text", "TokenLogprob"]
+__all__ = ["Done", "Engine", "Failed", "Job", "Text", "TokenLogprob", "enqueue"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,23 @@ class Job:
             self.cancel()
 
 
+def enqueue(job: Job, jobs: queue.Queue, waiting: int, max_waiting: int, metrics: Metrics) -> None:
+    """Put `job` on a worker's queue, its events bound to the running event loop.
+
+    Raises:
+      APIError (503): `waiting` requests already wait, the most `max_waiting` allows.
+    """
+    if waiting >= max_waiting:
+        raise APIError(
+            503, f"the server is busy: {max_waiting} requests are waiting; retry later",
+            type="server_error", code="queue_full",
+        )
+    job.loop = asyncio.get_running_loop()
+    job.events = asyncio.Queue()
+    job.metrics = metrics
+    jobs.put(job)
+
+
 class Engine:
     """The worker thread and its queue.
 
@@ -129,15 +146,7 @@ class Engine:
         Raises:
           APIError (503): the queue is full.
         """
-        if self._queue.qsize() >= self.max_waiting:
-            raise APIError(
-                503, f"the server is busy: {self.max_waiting} requests are waiting; retry later",
-                type="server_error", code="queue_full",
-            )
-        job.loop = asyncio.get_running_loop()
-        job.events = asyncio.Queue()
-        job.metrics = self.metrics
-        self._queue.put(job)
+        enqueue(job, self._queue, self.waiting, self.max_waiting, self.metrics)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker: the running job stops at its next token, queued ones are dropped."""

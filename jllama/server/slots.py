@@ -9,13 +9,12 @@ It takes the same `Job`s and emits the same events as the one-at-a-time `Engine`
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 
 from jllama.engine import Request, Scheduler
 from jllama.errors import SamplerError
-from jllama.server.engine import Done, Failed, Job
+from jllama.server.engine import Done, Failed, Job, enqueue
 from jllama.server.errors import APIError
 from jllama.server.metrics import Metrics
 
@@ -63,15 +62,7 @@ class SlotEngine:
         Raises:
           APIError (503): the queue is full.
         """
-        if self.waiting >= self.max_waiting:
-            raise APIError(
-                503, f"the server is busy: {self.max_waiting} requests are waiting; retry later",
-                type="server_error", code="queue_full",
-            )
-        job.loop = asyncio.get_running_loop()
-        job.events = asyncio.Queue()
-        job.metrics = self.metrics
-        self._queue.put(job)
+        enqueue(job, self._queue, self.waiting, self.max_waiting, self.metrics)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker: running and queued jobs are cancelled."""
