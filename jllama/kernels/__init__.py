@@ -90,7 +90,9 @@ def prologue_args(name: str, norm_shape, gate_shape, add_shape, norm, eps, gate,
     for kind, v, shape in ((PROLOGUE_RMSNORM, norm, norm_shape), (PROLOGUE_SWIGLU, gate, gate_shape)):
         if v is not None:
             if v.shape != tuple(shape):
-                raise ValueError(f"{name}'s norm or gate must be f32{list(shape)}, got {v.shape}")
+                what = (f"x's shape {tuple(gate_shape)}" if tuple(shape) == tuple(gate_shape)
+                        else f"f32{list(shape)}, a row of x")
+                raise ValueError(f"{name}'s norm or gate must be {what}, got {v.shape}")
             prologue, extra = kind, [v.astype(jnp.float32)]
     if add is not None:
         if add.shape != tuple(add_shape):
