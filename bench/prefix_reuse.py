@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import time
 
 import httpx
-from serve_load import start_server
+from serve_load import start_server, stop_server
 
 WORDS = ("apple river stone cloud light music garden window paper story morning bridge "
          "forest silver candle winter ocean market letter mountain").split()
@@ -75,11 +73,7 @@ def main() -> None:
                                   "warm_cached_tokens": warm_cached}), flush=True)
         print(json.dumps({"ratio_median": round(statistics.median(ratios), 3)}), flush=True)
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(process)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,15 @@ def start_server(args, parallel: int = 1) -> tuple[subprocess.Popen, str, str]:
     raise SystemExit("jllama serve did not start within 300 s")
 
 
+def stop_server(process: subprocess.Popen) -> None:
+    """Ctrl-C the server (a graceful shutdown); killed if it has not exited in 30 s."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> dict:
     start = time.perf_counter()
     first = None
@@ -138,11 +147,7 @@ def main() -> None:
                                                args.max_tokens))
                 print(json.dumps({"parallel": parallel, **result}), flush=True)
         finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_server(process)
 
 
 if __name__ == "__main__":
