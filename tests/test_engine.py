@@ -4,8 +4,8 @@ as slots fill and empty. Stories260K on the jax backend."""
 
 from __future__ import annotations
 
-import jax
 import pytest
+from test_prefill import _compiles  # the programs compiled inside a `with` block
 
 from jllama.backends import make_backend
 from jllama.engine import Request, Scheduler, complete_all
@@ -117,17 +117,11 @@ def test_cancelling_frees_the_slot_at_the_next_step(session):
 
 
 def test_no_program_compiles_as_slots_fill_and_empty(session):
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
     requests = _requests(session, n=6, max_tokens=30)
     complete_all(session, requests, n_slots=3)  # compiles what these positions need
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    complete_all(session, _requests(session, n=12, max_tokens=30), n_slots=3)
-    assert compiles == []
+    with _compiles() as compiled:
+        complete_all(session, _requests(session, n=12, max_tokens=30), n_slots=3)
+    assert compiled == []
 
 
 def test_a_long_prompt_admitted_mid_stream_pauses_the_others_one_chunk_at_a_time(session):

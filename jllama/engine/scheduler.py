@@ -137,6 +137,10 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def streams(self) -> list[Stream]:
+        """The streams running, then those waiting, in order."""
+        return self._running + list(self._waiting)
+
     def submit(self, request: Request) -> Stream:
         """Queue `request`; it starts at a step with a free slot.
 

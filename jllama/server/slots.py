@@ -91,7 +91,7 @@ class SlotEngine:
                     ))
                     self._jobs[id(stream)] = job
                 continue  # take every job that is there before the next round
-            for stream in self._scheduler._running + list(self._scheduler._waiting):
+            for stream in self._scheduler.streams():
                 if self._jobs[id(stream)].cancelled.is_set():
                     stream.cancel()
             self._scheduler.step()
