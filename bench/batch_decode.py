@@ -19,28 +19,10 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
-
-
-def machine() -> dict:
-    flags, model = set(), ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-                elif line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    from jllama import kernels
-
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
-    return {"machine": platform.machine(), "cpu": model, "cores": os.cpu_count(),
-            "flags": [f for f in wanted if f in flags],
-            "march": os.environ.get("JLLAMA_MARCH", "native"),
-            "kernel_vector_width": kernels.vector_width()}
+from run import machine_facts  # bench/ is the script's folder
 
 
 def main() -> None:
@@ -59,7 +41,8 @@ def main() -> None:
 
     model = open_model(args.model, seq_len=args.seq_len, dtype=args.dtype, need_tokenizer=False)
     backend = prepared_backend(model, "jax")
-    info = machine()
+    info = {"machine": platform.machine(), "cores": os.cpu_count(),
+            **machine_facts(Path(__file__).resolve().parent / ".cache")}
     info.update(bench="batch_decode", model=args.model, dtype=args.dtype, seq_len=args.seq_len,
                 steps=args.steps, matvec=backend.matvec, batched=backend.batch_kernels())
     print(json.dumps(info), flush=True)

@@ -18,23 +18,14 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
+
+from run import machine_facts  # bench/ is the script's folder
+
+HERE = Path(__file__).resolve().parent
 
 PROMPTS = ["Once upon a time", "The capital of France", "Write a poem about", "My favourite food",
            "In the year 2050", "The best way to learn", "A cat and a dog", "Science is"]
-
-
-def machine() -> dict:
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    keep = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"]
-    return {"cpus": os.cpu_count(), "flags": [f for f in keep if f in flags]}
 
 
 def run_batch(session, b: int, tokens: int) -> tuple[float, int, float, int]:
@@ -74,8 +65,8 @@ def main() -> None:
                            device_sampling=False)
     sizes = [int(b) for b in args.batches.split(",")]
     print(json.dumps({"meta": True, "checkpoint": args.checkpoint, "dtype": args.dtype,
-                      "tokens": args.tokens, **machine(),
-                      "march": os.environ.get("JLLAMA_MARCH", "native")}), flush=True)
+                      "tokens": args.tokens, "cpus": os.cpu_count(),
+                      **machine_facts(HERE / ".cache")}), flush=True)
     for b in sizes:
         run_batch(session, b, args.tokens)  # compiles this size's programs
     rates: dict[int, list[float]] = {b: [] for b in sizes}

@@ -16,8 +16,10 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import httpx
+from run import machine_facts  # bench/ is the script's folder
 from serve_load import start_server, stop_server
 
 WORDS = ("apple river stone cloud light music garden window paper story morning bridge "
@@ -55,7 +57,9 @@ def main() -> None:
     process, url, model = start_server(args, parallel=4)
     try:
         print(json.dumps({"meta": True, "checkpoint": args.checkpoint or "stories260K",
-                          "cpus": os.cpu_count(), "load1": os.getloadavg()[0]}), flush=True)
+                          "cpus": os.cpu_count(), "load1": os.getloadavg()[0],
+                          **machine_facts(Path(__file__).resolve().parent / ".cache")}),
+              flush=True)
         ratios = []
         with httpx.Client(timeout=120) as http:
             first_token(http, url, model, "warm up")  # the programs, compiled once

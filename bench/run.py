@@ -260,15 +260,18 @@ def machine_facts(cache: Path) -> dict:
     is its best way of reading, "read_plain_gb_s" plain loads; null with the reason when it
     cannot be measured)."""
     flags: set[str] = set()
+    model = ""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((l for l in f if l.startswith("flags")), "")
+            lines = f.read().splitlines()
+        line = next((l for l in lines if l.startswith("flags")), "")
         flags = set(line.split(":", 1)[-1].split())
+        model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), "")
     except OSError:
         pass
     from jllama.kernels import library
 
-    out = {"cpu_flags": [f for f in SIMD_FLAGS if f in flags],
+    out = {"cpu_model": model, "cpu_flags": [f for f in SIMD_FLAGS if f in flags],
            "kernel_march": os.environ.get(library.MARCH_ENV) or "native",
            "kernel_prefetch": library.prefetch()}
     try:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+from run import machine_facts  # bench/ is the script's folder
 
 PROMPTS = ["Once upon a time", "Tom had a dog", "The sun was hot", "Lily saw a bird"]
 
@@ -140,7 +141,8 @@ def main() -> None:
         process, url, model = start_server(args, parallel)
         try:
             meta = {"meta": True, "checkpoint": args.checkpoint or "stories260K", "url": url,
-                    "parallel": parallel, "cpus": os.cpu_count(), "load1": os.getloadavg()[0]}
+                    "parallel": parallel, "cpus": os.cpu_count(), "load1": os.getloadavg()[0],
+                    **machine_facts(Path(__file__).resolve().parent / ".cache")}
             print(json.dumps(meta), flush=True)
             for clients in args.clients:
                 result = asyncio.run(run_level(url, model, clients, args.requests,

@@ -217,3 +217,110 @@ def test_matvec_batch_rows_equal_matvec(kind, shape):
             row = {k: (v[b] if k in ("gate", "add") else v) for k, v in options.items()}
             ref = np.asarray(jax.jit(functools.partial(kernels.matvec, **row))(w, x[b]))
             assert np.array_equal(out[b], ref), (kind, shape, sorted(options), b)
+
+
+def _ggml(kind, m, n, rng, repack):
+    """A GGMLMatrix of kind (a ggml type's name: quantized by the gguf package, or random
+    blocks for the K types it cannot quantize), repacked into the x8 layout when asked;
+    "mixed": a RowStack of Q4_1, Q8_0 and F16 parts."""
+    import gguf
+    from test_ggml_kernels import random_blocks
+
+    from jllama.ggml_matrix import GGMLMatrix, RowStack, repacked
+
+    if kind == "mixed":
+        parts = [_ggml(k, rows, n, rng, repack) for k, rows in (("Q4_1", m - 16), ("Q8_0", 8),
+                                                                ("F16", 8))]
+        return RowStack(tuple(parts))
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind.endswith("_K"):
+        data = random_blocks(rng, int(qtype), m, n)
+    else:
+        data = gguf.quants.quantize(rng.standard_normal((m, n)).astype(np.float32), qtype)
+        data = np.ascontiguousarray(data).view(np.uint8)  # F16's come as float16
+    matrix = GGMLMatrix(data, int(qtype), n)
+    return repacked(matrix) if repack else matrix
+
+
+@pytest.mark.parametrize("kind, repack", [
+    ("Q4_1", False), ("Q4_1", True), ("Q8_0", True), ("Q4_0", True), ("Q4_K", True),
+    ("Q6_K", True), ("Q6_K", False), ("Q5_K", True), ("F16", False), ("mixed", True),
+])
+def test_matvec_batch_ggml_rows_equal_matvec(kind, repack):
+    """The batched product of GGML blocks: each row, with each prologue and the residual, is
+    `matvec`'s bits for that row alone (its activations quantized alone), rows from count on
+    are zeros; batches of 1 to 9 rows (the 4-row passes and the rest)."""
+    from jllama import kernels
+    from jllama.kernels import batched as batch_kernels
+
+    kernels.load()
+    rng = np.random.default_rng(len(kind) + repack)
+    m, n = 48, 512
+    w = _ggml(kind, m, n, rng, repack)
+    assert batch_kernels.batch_supported(w)
+    norm = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    for batch, live in ((1, 1), (8, 6), (9, 9), (16, 0)):
+        x = rng.standard_normal((batch, n)).astype(np.float32)
+        gate = rng.standard_normal((batch, n)).astype(np.float32)
+        add = rng.standard_normal((batch, m)).astype(np.float32)
+        for options in ({}, {"norm": norm, "eps": 1e-5}, {"gate": gate, "add": add},
+                        {"norm": norm, "eps": 1e-5, "add": add}):
+            batched = functools.partial(batch_kernels.matvec_batch, **options)
+            out = np.asarray(jax.jit(batched)(w, x, np.int32(live)))
+            assert out.shape == (batch, m) and not out[live:].any()
+            for b in range(live):
+                row = {k: (v[b] if k in ("gate", "add") else v) for k, v in options.items()}
+                ref = np.asarray(jax.jit(functools.partial(kernels.matvec, **row))(w, x[b]))
+                assert np.array_equal(out[b], ref), (kind, repack, batch, sorted(options), b)
+
+
+GGUF_GQA = ModelConfig(dim=256, hidden_dim=512, n_layers=2, n_heads=8, n_kv_heads=2,
+                       vocab_size=259, seq_len=600, shared_weights=False)
+"""dim 256 for the K types' super-blocks; three cache blocks as GQA's."""
+
+
+@pytest.fixture(scope="module")
+def gguf_backend(tmp_path_factory):
+    """A GGUF of mixed types, as a Q4_K_M file mixes them (K-type tensors as random blocks:
+    the gguf package cannot quantize them), read as a user's file is."""
+    import gguf
+    from gguf_files import write_gguf
+    from test_ggml_kernels import random_blocks
+
+    from jllama.loading import open_model
+
+    t = gguf.GGMLQuantizationType
+    c = GGUF_GQA
+    types = {"*": t.Q4_1, "output.weight": t.Q8_0, "token_embd.weight": t.Q5_1}
+    rng = np.random.default_rng(5)
+    raw = {}
+    for layer in range(c.n_layers):
+        types |= {f"blk.{layer}.attn_k.weight": t.Q8_0, f"blk.{layer}.ffn_down.weight": t.Q5_0,
+                  f"blk.{layer}.ffn_up.weight": t.F16}
+        raw[f"blk.{layer}.attn_v.weight"] = (
+            random_blocks(rng, int(t.Q6_K), c.n_kv_heads * c.head_dim, c.dim), t.Q6_K)
+        raw[f"blk.{layer}.attn_output.weight"] = (random_blocks(rng, int(t.Q4_K), c.dim, c.dim),
+                                                  t.Q4_K)
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", c,
+                      random_weights(c, seed=5, scale=0.1), types=types,
+                      drop_tensors=tuple(raw), raw_tensors=raw)
+    model = open_model(path, need_tokenizer=False)
+    b = make_backend("jax", matvec="kernel")
+    b.prepare(model.config, model.weights)
+    return b
+
+
+def test_gguf_blocks_take_the_batched_step(gguf_backend):
+    assert gguf_backend.batch_kernels()
+    _check(gguf_backend, [254, 0, 300, 7, 520], steps=2)
+
+
+def test_gguf_row_does_not_depend_on_neighbours(gguf_backend):
+    rows = []
+    for n in (1, 2, 8):
+        starts = [300] + _starts(n - 1, GGUF_GQA.seq_len, n)
+        _, batched = _pairs(gguf_backend, starts, seed=7)
+        others = [int(t) for t in np.random.default_rng(n).integers(0, 259, n - 1)]
+        rows.append(gguf_backend.decode_batch([5] + others, starts, batched)[0])
+    for r in rows[1:]:
+        assert np.array_equal(r, rows[0])

@@ -58,7 +58,7 @@ def layer_batch(
       count: int32 scalar, the real rows (the rest is padding).
       pos: int32[B], each sequence's position.
       rms_att_weight, wqkv, wo, rms_ffn_weight, w1, w2, w3: the layer's arrays
-        (`jllama.weights.LayerWeights`; f32, bf16 or `Int8Matrix`).
+        (`jllama.weights.LayerWeights`; f32, bf16, `Int8Matrix` or GGML blocks).
       inv_freq: f32[head_dim // 2].
       key_current, value_current: B blocks each, sequence b's block holding pos[b]; donated
         (updated in place).

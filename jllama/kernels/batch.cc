@@ -10,6 +10,8 @@
 //       f: RMSNorm with one weight f32[n] (prologue 1), or silu(x[b]) * gate[b] with gate
 //       f32[B, n] (prologue 2); residual: add f32[B, m]. Only rows b < count are computed (the
 //       others, padding up to a compiled batch size, are zeros).
+//   jllama_matvec_batch_ggml
+//       the same for GGML parts (`jllama_matvec_ggml`'s), each row as that handler's product.
 //   jllama_rope_attend_batch_f32
 //       per sequence b < count: `rope_write` of qkv[b] at pos[b] into its current cache blocks,
 //       then `attention` over its blocks; att: f32[B, n_heads * head_dim].
@@ -117,47 +119,76 @@ ffi::Error extra_matrix(ffi::RemainingArgs& extra, size_t k, int64_t rows, int64
   return ffi::Error::Success();
 }
 
-// The body of the batched handlers: product p (its weights and rows set) on x f32[B, n] after
-// the prologue, plus the residual, for rows b < count.
-ffi::Error batch_product(ffi::ThreadPool& pool, Product p, int64_t m, F32Matrix& x,
-                         S32Scalar& count, ffi::RemainingArgs& extra, F32MatrixResult& y,
-                         int32_t prologue, float eps, int32_t residual) {
+// A batched product's input after its prologue: `live` rows (rows b < count of x, the rest is
+// padding) in x, and the residual (null without one).
+struct BatchInput {
+  int64_t batch, live;
+  const float* x;
+  const float* add;
+  std::unique_ptr<float[]> prepared;
+};
+
+// Checks x f32[B, n] and y f32[B, m] and runs the prologue on rows b < count: extra[first ..]
+// are the prologue's operand, then the residual (the handler's other remaining arguments, e.g.
+// a GGML product's parts, come before `first`).
+ffi::Error batch_input(int64_t m, int64_t n, F32Matrix& x, S32Scalar& count,
+                       ffi::RemainingArgs& extra, size_t first, F32MatrixResult& y,
+                       int32_t prologue, float eps, int32_t residual, BatchInput& in) {
   const auto xd = x.dimensions(), yd = y->dimensions();
-  const int64_t n = p.n, batch = xd[0];
+  const int64_t batch = xd[0];
   if (xd[1] != n || yd[0] != batch || yd[1] != m)
     return ffi::Error::InvalidArgument("jllama matvec_batch: w[m, n], x[B, n] and y[B, m] do not agree");
   if (prologue < kPlain || prologue > kSwiGlu)
     return ffi::Error::InvalidArgument("jllama matvec_batch: unknown prologue");
-  if (extra.size() != static_cast<size_t>((prologue != kPlain) + (residual != 0)))
+  if (extra.size() != first + static_cast<size_t>((prologue != kPlain) + (residual != 0)))
     return ffi::Error::InvalidArgument("jllama matvec_batch: the extra arrays do not match the attributes");
-  const int64_t live = std::clamp<int64_t>(*count.typed_data(), 0, batch);
-  const float* in = x.typed_data();
-  std::unique_ptr<float[]> prepared;
+  in.batch = batch;
+  in.live = std::clamp<int64_t>(*count.typed_data(), 0, batch);
+  in.x = x.typed_data();
+  in.add = nullptr;
   if (prologue == kRmsNorm) {
     const float* weight;
-    if (ffi::Error e = extra_vector(extra, 0, n, &weight); e.failure()) return e;
-    prepared.reset(new float[std::max<int64_t>(1, live) * n]);
-    for (int64_t b = 0; b < live; ++b) rmsnorm(in + b * n, weight, eps, n, prepared.get() + b * n);
-    in = prepared.get();
+    if (ffi::Error e = extra_vector(extra, first, n, &weight); e.failure()) return e;
+    in.prepared.reset(new float[std::max<int64_t>(1, in.live) * n]);
+    for (int64_t b = 0; b < in.live; ++b)
+      rmsnorm(in.x + b * n, weight, eps, n, in.prepared.get() + b * n);
+    in.x = in.prepared.get();
   } else if (prologue == kSwiGlu) {
     const float* gate;
-    if (ffi::Error e = extra_matrix(extra, 0, batch, n, &gate); e.failure()) return e;
-    prepared.reset(new float[std::max<int64_t>(1, live) * n]);
-    for (int64_t b = 0; b < live; ++b)
-      swiglu(in + b * n, gate + b * n, n, prepared.get() + b * n);
-    in = prepared.get();
+    if (ffi::Error e = extra_matrix(extra, first, batch, n, &gate); e.failure()) return e;
+    in.prepared.reset(new float[std::max<int64_t>(1, in.live) * n]);
+    for (int64_t b = 0; b < in.live; ++b)
+      swiglu(in.x + b * n, gate + b * n, n, in.prepared.get() + b * n);
+    in.x = in.prepared.get();
   }
-  const float* add = nullptr;
   if (residual != 0)
-    if (ffi::Error e = extra_matrix(extra, extra.size() - 1, batch, m, &add); e.failure()) return e;
+    if (ffi::Error e = extra_matrix(extra, extra.size() - 1, batch, m, &in.add); e.failure())
+      return e;
+  return ffi::Error::Success();
+}
+
+// After the product wrote rows b < live of out (f32[B, m]): the residual added, padding zeroed.
+void batch_output(const BatchInput& in, int64_t m, float* out) {
+  if (in.add != nullptr)
+    for (int64_t i = 0; i < in.live * m; ++i) out[i] = in.add[i] + out[i];
+  std::memset(out + in.live * m, 0, sizeof(float) * (in.batch - in.live) * m);
+}
+
+// The body of the float and int8 batched handlers: product p (its weights and rows set) on x
+// f32[B, n] after the prologue, plus the residual, for rows b < count.
+ffi::Error batch_product(ffi::ThreadPool& pool, Product p, int64_t m, F32Matrix& x,
+                         S32Scalar& count, ffi::RemainingArgs& extra, F32MatrixResult& y,
+                         int32_t prologue, float eps, int32_t residual) {
+  BatchInput in;
+  if (ffi::Error e = batch_input(m, p.n, x, count, extra, 0, y, prologue, eps, residual, in);
+      e.failure())
+    return e;
   float* out = y->typed_data();
-  if (live > 0) {
-    p.x = in, p.y = out, p.batch = live, p.stride = m;
+  if (in.live > 0) {
+    p.x = in.x, p.y = out, p.batch = in.live, p.stride = m;
     run(pool.num_threads(), p, m);
-    if (add != nullptr)
-      for (int64_t i = 0; i < live * m; ++i) out[i] = add[i] + out[i];
   }
-  std::memset(out + live * m, 0, sizeof(float) * (batch - live) * m);
+  batch_output(in, m, out);
   return ffi::Error::Success();
 }
 
@@ -197,6 +228,30 @@ ffi::Error MatvecBatchInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix s
             groups};
   p.weights(q.untyped_data(), m, n);
   return batch_product(pool, p, m, x, count, extra, y, prologue, eps, residual);
+}
+
+// y[b] = (add[b] +) W f(x[b]) for W the GGML parts of `jllama_matvec_ggml` (the remaining
+// arguments: the parts, then the prologue's operand and the residual), rows b < count: each row
+// as that handler computes it for x[b] alone (`ggml_matmul`: activations quantized per row, a
+// group's weights decoded once for 4 rows, every row's sums in the single product's order).
+ffi::Error MatvecBatchGgml(ffi::ThreadPool pool, F32Matrix x, S32Scalar count,
+                           ffi::RemainingArgs args, F32MatrixResult y,
+                           ffi::Span<const int32_t> types, int32_t prologue, float eps,
+                           int32_t residual) {
+  const int64_t n = x.dimensions()[1];
+  GgmlProduct g{};
+  int64_t m, bytes;
+  bool integer;
+  if (ffi::Error e = ggml_parts(args, types, n, g, &m, &bytes, &integer); e.failure()) return e;
+  BatchInput in;
+  if (ffi::Error e = batch_input(m, n, x, count, args, types.size(), y, prologue, eps, residual,
+                                 in);
+      e.failure())
+    return e;
+  float* out = y->typed_data();
+  if (in.live > 0) ggml_matmul(pool, g, m, bytes, n, in.live, in.x, out);
+  batch_output(in, m, out);
+  return ffi::Error::Success();
 }
 
 template <typename... Args>
@@ -302,6 +357,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_batch_int8, MatvecBatchInt8,
                               (batch_binding<Int8Matrix, F32Vector, F32Matrix, S32Scalar>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_matvec_batch_int8_groups, MatvecBatchInt8Groups,
                               (batch_binding<Int8Matrix, F32Matrix, F32Matrix, S32Scalar>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jllama_matvec_batch_ggml, MatvecBatchGgml,
+    prologue_attrs(with_parts<F32Matrix>(
+        args<F32Matrix, S32Scalar>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()))));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jllama_rope_attend_batch_f32, RopeAttendBatchF32,
     (args<F32Matrix, S32Vector, S32Scalar, F32Vector>(  // qkv, pos, count, inv_freq

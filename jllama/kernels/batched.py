@@ -11,23 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jllama.ggml_matrix import FloatRows, GGMLMatrix, RowStack
-from jllama.kernels import SYMBOLS, prologue_args
+from jllama.kernels import SYMBOLS, _parts, prologue_args
 from jllama.quant import Int8Matrix
 
 BATCH_TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS[13:16], strict=True))
 """The batched products' handlers per weight dtype (`matvec_batch`; batch.cc)."""
-GROUPED_INT8_BATCH, ROPE_ATTEND_BATCH = SYMBOLS[16:18]
-"""The batched product for grouped int8, and the batched decode's RoPE, cache write and
-attention (`rope_attend_batch`)."""
+GROUPED_INT8_BATCH, ROPE_ATTEND_BATCH, GGML_BATCH = SYMBOLS[16:19]
+"""The batched product for grouped int8, the batched decode's RoPE, cache write and attention
+(`rope_attend_batch`), and the batched product of GGML blocks."""
 
 
 def batch_supported(w) -> bool:
-    """Whether `matvec_batch` takes w: f32 / bf16 [m, n] or an `Int8Matrix` (GGML blocks and
-    stacked float rows not)."""
-    if isinstance(w, Int8Matrix):
+    """Whether `matvec_batch` takes w: f32 / bf16 [m, n], an `Int8Matrix`, or GGML blocks
+    (`GGMLMatrix`, `RowStack`, `FloatRows`) as `matvec` takes them."""
+    if isinstance(w, (Int8Matrix, GGMLMatrix, RowStack, FloatRows)):
         return True
-    if isinstance(w, (GGMLMatrix, RowStack, FloatRows)):
-        return False
     return getattr(w, "ndim", 0) == 2 and jnp.dtype(w.dtype).name in ("float32", "bfloat16")
 
 
@@ -47,7 +45,9 @@ def matvec_batch(
     (call `load()` first).
 
     Args:
-      w: f32[m, n], bf16[m, n] or an `Int8Matrix` (`batch_supported`).
+      w: f32[m, n], bf16[m, n], an `Int8Matrix` or GGML blocks (`batch_supported`): each
+        GGML row against x[b] quantized as `matvec` quantizes x, the 8 rows of a repacked
+        group decoded once for 4 rows of x.
       x: f32[B, n].
       count: int32 scalar, the rows of x that are real (0 <= count <= B): rows from count on
         (padding up to a compiled batch size) are not computed and come back as zeros.
@@ -63,11 +63,14 @@ def matvec_batch(
     if w.ndim != 2 or w.shape[1] != n:
         raise ValueError(f"matvec_batch needs w[m, n] and x[B, n], got {w.shape} and {x.shape}")
     if not batch_supported(w):
-        raise ValueError("matvec_batch takes f32, bf16 or int8 weights")
+        raise ValueError("matvec_batch takes f32, bf16, int8 or GGML weights")
     extra, attrs = prologue_args("matvec_batch", (n,), x.shape, (b, m), norm, eps, gate, add)
     out = jax.ShapeDtypeStruct((b, m), jnp.float32)
     x = x.astype(jnp.float32)
     count = jnp.asarray(count, jnp.int32)
+    if isinstance(w, (GGMLMatrix, RowStack, FloatRows)):
+        parts, types = _parts(w)
+        return jax.ffi.ffi_call(GGML_BATCH, out)(x, count, *parts, *extra, types=types, **attrs)
     if isinstance(w, Int8Matrix):
         target = GROUPED_INT8_BATCH if w.grouped else BATCH_TARGETS["int8"]
         return jax.ffi.ffi_call(target, out)(w.q, w.scale, x, count, *extra, **attrs)

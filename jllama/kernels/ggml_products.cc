@@ -318,20 +318,15 @@ void quantize_tokens(const Product& p, int64_t begin, int64_t end) {
   }
 }
 
-ffi::Error MatmulGgml(ffi::ThreadPool pool, F32Matrix x, ffi::RemainingArgs args, F32MatrixResult y,
-                      ffi::Span<const int32_t> types) {
-  const int64_t tokens = x.dimensions()[0], n = x.dimensions()[1];
-  GgmlProduct checked{};
-  int64_t m, bytes;
-  if (ffi::Error e = parts_only("matmul_ggml", args, types, n, checked, &m, &bytes); e.failure())
-    return e;
-  if (y->dimensions()[0] != tokens || y->dimensions()[1] != m)
-    return ffi::Error::InvalidArgument("jllama matmul_ggml: y must be f32[T, rows of all parts]");
+// y f32[tokens, m] = the parts in `checked` (from ggml_parts: m rows of `bytes` in all) times
+// x f32[tokens, n], each token's row as MatvecGgml computes it alone.
+void ggml_matmul(ffi::ThreadPool& pool, const GgmlProduct& checked, int64_t m, int64_t bytes,
+                 int64_t n, int64_t tokens, const float* x, float* y) {
   GgmlMatmul g;
   std::copy(checked.parts, checked.parts + kMaxParts, g.parts);
   g.n_parts = checked.n_parts;
   g.unit = checked.unit;
-  g.n = n, g.m = m, g.tokens = tokens, g.x = x.typed_data(), g.y = y->typed_data();
+  g.n = n, g.m = m, g.tokens = tokens, g.x = x, g.y = y;
   std::unique_ptr<uint8_t[]> scratch[ggml::kActivationKinds];
   QuantizeTokens quantizing{&g, {}, ggml::activation_bytes(n)};
   for (int k = 0; k < g.n_parts; ++k) {
@@ -348,6 +343,18 @@ ffi::Error MatmulGgml(ffi::ThreadPool pool, F32Matrix x, ffi::RemainingArgs args
       tokens);
   const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m)) * g.unit * tokens;
   run(pool.num_threads(), Product{rows_matmul, &g, nullptr, nullptr, g.y, cost}, m / g.unit);
+}
+
+ffi::Error MatmulGgml(ffi::ThreadPool pool, F32Matrix x, ffi::RemainingArgs args, F32MatrixResult y,
+                      ffi::Span<const int32_t> types) {
+  const int64_t tokens = x.dimensions()[0], n = x.dimensions()[1];
+  GgmlProduct checked{};
+  int64_t m, bytes;
+  if (ffi::Error e = parts_only("matmul_ggml", args, types, n, checked, &m, &bytes); e.failure())
+    return e;
+  if (y->dimensions()[0] != tokens || y->dimensions()[1] != m)
+    return ffi::Error::InvalidArgument("jllama matmul_ggml: y must be f32[T, rows of all parts]");
+  ggml_matmul(pool, checked, m, bytes, n, tokens, x.typed_data(), y->typed_data());
   return ffi::Error::Success();
 }
 
