@@ -3,8 +3,8 @@ cache (`jllama.backends.base.BatchDecode`).
 
 With jllama's CPU kernels (matvec="kernel", one device; float32, bfloat16, int8 or GGML
 weights) the step runs `graphs.batch`'s programs: per layer one `layer_batch` (the products
-read each weight once for all B rows), then `classifier_batch`. Row b's logits have the bits `forward`
-gives for that sequence alone (the same kernels' sums in the same order; tests/
+read each weight once for all B rows), then `classifier_batch`. Row b's logits have the bits
+`forward` gives for that sequence alone (the same kernels' sums in the same order; tests/
 test_batch_decode.py), whatever B is. Batches are padded up to one of `graphs.batch.
 BATCH_SIZES` with rows the kernels skip, so the programs compile once per size and cache
 window (the largest `graphs.attention_blocks` among the sequences) and never as requests come
