@@ -93,7 +93,7 @@ def main() -> None:
     print(json.dumps({"summary": {str(b): {"median_tokens_per_s": round(statistics.median(v), 1),
                                            "x_vs_first": round(statistics.median(v) / base, 2)}
                                   for b, v in results.items()},
-                      "march": info["march"]}), flush=True)
+                      "kernel_march": info["kernel_march"]}), flush=True)
 
 
 if __name__ == "__main__":

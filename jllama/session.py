@@ -222,9 +222,13 @@ class Session(SlotsMixin):
             self.backend.compile_for(len(prompt_ids), start_pos + steps - 1,
                                      loop.kind if loop is not None else None,
                                      chunked=prefill is not None, start=start_pos)
+        drawn_by = sampler if sample is None and isinstance(sampler, Sampler) else None
         sample = sample if sample is not None else sampler
+        vocabulary = None
         if self.padded:
-            sample = restrict_to_vocabulary(sample, self.tokenizer.vocab_size)
+            vocabulary = self.tokenizer.vocab_size
+            sample = restrict_to_vocabulary(sample, vocabulary)
+        sample = self._slot_sample(slot, drawn_by, sample, vocabulary)
         slot.generations += 1
         slot.active = Generation(
             self._slot_forward(slot), prompt_ids, sample, steps,
@@ -254,7 +258,7 @@ class Session(SlotsMixin):
                  *, max_tokens: int | None = None, stop: Sequence[str] = (),
                  logprobs: int | None = None, cancelled: Callable[[], bool] | None = None,
                  slot: Slot | None = None, start_pos: int = 0, ignore_eos: bool = False,
-                 **sampling) -> Completion:
+                 each_token: bool = False, **sampling) -> Completion:
         """A raw completion of `prompt` as streamed text (`jllama.streaming.Completion`).
 
         Args:
@@ -266,6 +270,8 @@ class Session(SlotsMixin):
           cancelled: checked before each token; True ends the stream.
           slot, start_pos, ignore_eos: as `generate` (prompt ids from start_pos, the positions
             before it kept in the slot's cache: a prefix shared with what it held).
+          each_token: a piece for every token, empty when it releases no text yet
+          (`Completion`'s each_token).
 
         Returns:
           a `Completion`: iterate it for `Text` pieces; then its `finish_reason` ("stop" for
@@ -292,7 +298,8 @@ class Session(SlotsMixin):
                                    slot=slot, start_pos=start_pos, context_ids=ids[:start_pos],
                                    ignore_eos=ignore_eos)
         return Completion(generation, self.tokenizer, stop=stop, logprobs=logprobs,
-                          recorder=recorder, cancelled=cancelled, generation=generation)
+                          recorder=recorder, cancelled=cancelled, generation=generation,
+                          each_token=each_token)
 
     def text(self, prompt: str | Sequence[int], sampler: Sampler | SamplerConfig | None = None,
              **options) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
+import numpy as np
+
 from jllama.backends.base import BatchDecode, CompilePlanning, Prefill, SlotCaches
 from jllama.generate import Generation
 
@@ -28,6 +30,32 @@ class Slot:
         self.active: Generation | None = None
         self.generations = 0
         self.ahead = None  # ((token, pos), logits) computed by `decode_batch` for its next step
+        # (sampler, vocabulary) of the active generation when `decode_batch` may draw its next
+        # token too (a run.c-style `Sampler`; the first `vocabulary` logits, None: all), and
+        # (logits, token) so drawn, for the generation's sample call on those very logits.
+        self.draw = None
+        self.pick = None
+
+
+def draw_batch(drawn: Sequence[tuple[Slot, np.ndarray]]) -> None:
+    """Each slot's next token from its logits row, in one `sample_batch` call: slot.pick =
+    (row, token), or None where the row is not finite (the generation's own check then
+    raises). A coin is taken from a sampler's generator only where it draws (temperature > 0),
+    as `Sampler.sample` takes it. The slots share one Session, so one vocabulary."""
+    from jllama.kernels.batched import sample_batch
+
+    vocabulary = drawn[0][0].draw[1]
+    settings = np.zeros((3, len(drawn)), np.float32)  # temperature, top_p, coin
+    for b, (slot, _) in enumerate(drawn):
+        sampler = slot.draw[0]
+        settings[0, b], settings[1, b] = sampler.runc_settings
+        if settings[0, b] != 0:
+            settings[2, b] = sampler.rng.random_f32()
+    block = np.stack([row[:vocabulary] for _, row in drawn])
+    tokens, finite = sample_batch(block, settings[0], settings[1], settings[2],
+                                  np.int32(len(drawn)))
+    for (slot, row), token, ok in zip(drawn, np.asarray(tokens), np.asarray(finite)):
+        slot.pick = (row, int(token)) if ok else None
 
 
 class SlotsMixin:
@@ -74,6 +102,26 @@ class SlotsMixin:
 
         return on_slot
 
+    def _slot_sample(self, slot: Slot, sampler, sample, vocabulary: int | None):
+        """`sample` for a generation in `slot`, answering with the token `decode_batch` drew
+        for the very logits it is given when there is one; sampler: the `Sampler` behind it
+        when its draws are run.c's (`runc_settings`), so `decode_batch` may draw them, else
+        None (then `sample` as it is)."""
+        slot.pick = None
+        slot.draw = None
+        if not self._slotted or sampler is None or sampler.runc_settings is None:
+            return sample
+        slot.draw = (sampler, vocabulary)
+
+        def slot_sample(logits, *history):
+            pick, slot.pick = slot.pick, None
+            if pick is not None and pick[0] is logits:
+                return pick[1]
+            return sample(logits, *history)
+
+        slot_sample.uses_history = False
+        return slot_sample
+
     def _slot_forward(self, slot: Slot):
         """The backend's `forward` bound to `slot`, answering from the logits `decode_batch`
         computed ahead for that very (token, pos) when there are some."""
@@ -93,14 +141,22 @@ class SlotsMixin:
         """Compute ahead, in one batched step, the logits each slot's generation asks for next:
         `inputs` are (slot, token, pos) with (token, pos) its `Generation.next_input`; each
         slot's next `forward(token, pos)` then returns them without a backend call. Row b is
-        bit for bit what that forward returns (`BatchDecode`). Returns False (and computes
-        nothing) where the backend has no batched step or fewer than two slots are given."""
+        bit for bit what that forward returns (`BatchDecode`). The generations that sample as
+        run.c does (`Sampler.runc_settings`, no log-probs asked) get their next token drawn
+        too, all rows in one kernel call (`jllama.kernels.batched.sample_batch`), each with a
+        coin from its own sampler's generator as its own draw would take it: the same token.
+        Returns False (and computes nothing) where the backend has no batched step or fewer
+        than two slots are given."""
         if len(inputs) < 2 or not isinstance(self.backend, BatchDecode):
             return False
         logits = self.backend.decode_batch([t for _, t, _ in inputs], [p for _, _, p in inputs],
                                            [slot.caches for slot, _, _ in inputs])
-        for row, (slot, token, pos) in zip(logits, inputs):
+        rows = list(logits)
+        for row, (slot, token, pos) in zip(rows, inputs):
             slot.ahead = ((token, pos), row)
+        drawn = [(slot, row) for row, (slot, _, _) in zip(rows, inputs) if slot.draw is not None]
+        if drawn and self.backend.batch_kernels():
+            draw_batch(drawn)
         return True
 
     def feed(self, tokens: Sequence[int], start_pos: int, slot: Slot | None = None) -> None:

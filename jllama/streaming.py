@@ -78,6 +78,10 @@ class Completion:
         (`finish_reason` "cancelled").
       generation: the `Generation` the tokens come from, when they do: its stop token counts
         as a "stop".
+      each_token: yield a piece for every sampled token, an empty one (no log-probs, which
+        wait for the text they belong to) for a token that releases no text yet, so each
+        `next()` draws exactly one token (a scheduler stepping many streams in one batched
+        decode step); False: only pieces with text or log-probs.
 
     Attributes:
       finish_reason: once iteration ends: "stop" (a stop string was found, or the
@@ -88,7 +92,7 @@ class Completion:
     def __init__(self, tokens: Iterable[Token], tokenizer, stop: Sequence[str] = (),
                  logprobs: int | None = None, recorder: LogitsRecorder | None = None,
                  cancelled: Callable[[], bool] | None = None,
-                 generation: Generation | None = None):
+                 generation: Generation | None = None, each_token: bool = False):
         if logprobs is not None and recorder is None:
             raise ValueError("log-probs need the LogitsRecorder the generation samples with")
         self._tokens = tokens
@@ -98,6 +102,7 @@ class Completion:
         self._recorder = recorder
         self._cancelled = cancelled
         self.generation = generation
+        self._each_token = each_token
         self.finish_reason: str | None = None
 
     def __iter__(self) -> Iterator[Text]:
@@ -116,6 +121,8 @@ class Completion:
             if text or (matcher.stopped and pending):
                 yield Text(text, pending)
                 pending = []
+            elif self._each_token and not matcher.stopped:
+                yield Text("", [])
             if matcher.stopped:
                 self.finish_reason = "stop"
                 return

@@ -324,3 +324,38 @@ def test_gguf_row_does_not_depend_on_neighbours(gguf_backend):
         rows.append(gguf_backend.decode_batch([5] + others, starts, batched)[0])
     for r in rows[1:]:
         assert np.array_equal(r, rows[0])
+
+
+def test_sample_batch_rows_are_the_host_samplers_draws():
+    """Each row of `sample_batch` is the token the host `Sampler` (run.c's sampler, checked
+    against llama2.c in test_sampling) draws from that row with the same seed: greedy, whole
+    distribution, nucleus, a vanishing temperature; rows from count on are 0, a row with a NaN
+    is reported not finite."""
+    from jllama import kernels
+    from jllama.kernels.batched import sample_batch
+    from jllama.sampling import Sampler
+
+    kernels.load()
+    rng = np.random.default_rng(7)
+    settings = [(0.0, 0.9), (1.0, 1.0), (0.8, 0.9), (0.5, 0.0), (1e-30, 0.9), (1.3, 0.5),
+                (0.9, 0.99), (0.7, 0.9), (0.6, 0.9)]
+    batch, vocab = len(settings), 3000
+    logits = (rng.standard_normal((batch, vocab)) * np.linspace(1, 8, batch)[:, None]
+              ).astype(np.float32)
+    logits[7, 5] = np.nan
+    count = batch - 1
+    for seed in range(5):
+        host = [Sampler(temperature=t, top_p=p, seed=100 + seed + b)
+                for b, (t, p) in enumerate(settings)]
+        coins = [Sampler(temperature=t, top_p=p, seed=100 + seed + b).rng.random_f32()
+                 if t else 0.0 for b, (t, p) in enumerate(settings)]
+        temperature = np.array([t for t, _ in settings], np.float32)
+        top_p = np.array([p for _, p in settings], np.float32)
+        token, finite = sample_batch(logits, temperature, top_p, np.array(coins, np.float32),
+                                     np.int32(count))
+        token, finite = np.asarray(token), np.asarray(finite)
+        assert finite.tolist() == [True] * 7 + [False, True]
+        assert token[count] == 0
+        for b in range(count):
+            if b != 7:
+                assert token[b] == host[b](logits[b]), (seed, b, settings[b])

@@ -4,13 +4,15 @@ as slots fill and empty. Stories260K on the jax backend."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_prefill import _compiles  # the programs compiled inside a `with` block
 
 from jllama.backends import make_backend
 from jllama.engine import Request, Scheduler, complete_all
 from jllama.loading import open_model
-from jllama.sampling import SamplerConfig
+from jllama.sampling import Sampler, SamplerConfig
 from jllama.session import Session
 
 
@@ -60,6 +62,51 @@ def test_the_decoding_streams_share_one_batched_step_and_give_the_same_tokens(se
         del backend.decode_batch
     assert [s.text for s in streams] == alone
     assert calls and max(calls) == 6  # all six decoding at once, one call a step
+
+
+def test_32_seeded_requests_side_by_side_give_what_they_give_alone(session):
+    """32 slots decoding at once, their tokens drawn for all rows in one kernel call
+    (`sample_batch`): each request's text is the host sampler's alone."""
+    requests = _requests(session, n=32, max_tokens=24)
+    alone = [session.text(r.prompt_ids, r.sampler, max_tokens=r.max_tokens) for r in requests]
+    streams = complete_all(session, requests, n_slots=32)
+    assert [s.text for s in streams] == alone
+
+
+def test_every_decode_step_is_batched_even_for_tokens_that_release_no_text(session, monkeypatch):
+    """A stop string holds back text that may start it ("e" before "e xq"), so some tokens
+    release nothing: each still takes one batched step, no forward of its own (six
+    streams of 30 tokens ending together, so none decodes alone), and every token after the
+    first (drawn from the prompt's logits) is drawn by the batched kernel, not the host."""
+    backend = session.backend
+    forwards, host_draws = [], []
+    forward = backend.forward
+    host_sample = Sampler.__call__
+
+    def counted(token, pos):
+        forwards.append(pos)
+        return forward(token, pos)
+
+    def counted_draw(self, logits, *history):
+        host_draws.append(1)
+        return host_sample(self, logits, *history)
+
+    requests = [dataclasses.replace(r, stop=["e xq"], ignore_eos=True)
+                for r in _requests(session, n=6, max_tokens=30)]
+    alone = [session.text(r.prompt_ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop,
+                          ignore_eos=True) for r in requests]
+    assert any("e" in text for text in alone)
+    backend.forward = counted
+    monkeypatch.setattr(Sampler, "__call__", counted_draw)
+    try:
+        streams = complete_all(session, requests, n_slots=6)
+    finally:
+        del backend.forward
+    assert [s.text for s in streams] == alone
+    assert [len(s.generated_ids) for s in streams] == [30] * 6
+    # The prompts' tokens (fed one at a time here), and no decode step.
+    assert len(forwards) == sum(len(r.prompt_ids) for r in requests)
+    assert len(host_draws) == 6
 
 
 def test_slots_take_turns_and_a_finished_request_frees_its_slot(session):

@@ -152,6 +152,11 @@ class BatchDecode(Protocol):
         would; the caches in use stay in use."""
         ...
 
+    def batch_kernels(self) -> bool:
+        """Whether `decode_batch` runs jllama's CPU kernels (so the rows' tokens may be drawn
+        by `jllama.kernels.batched.sample_batch` too); else `forward` per sequence."""
+        ...
+
 
 def check_token_pos(config: ModelConfig, token: int, pos: int) -> tuple[int, int]:
     """`(token, pos)` as Python ints.

@@ -1,9 +1,12 @@
 """Many requests at once over one Session: slots, admission, round-robin steps, prefix reuse.
 
 A `Scheduler` holds `n_slots` KV caches (`Session.new_slot`). Requests wait in a first-in,
-first-out queue and are admitted into free slots; each `step` advances every running request
-by one piece of text (`jllama.streaming.Completion`: usually one token), in slot order, so a
-new request's first token waits for one round of the others rather than for them to finish.
+first-out queue and are admitted into free slots; each `step` computes the next logits of
+every decoding request in one batched step (`Session.decode_batch`), then advances each
+running request by one token (`jllama.streaming.Completion` with each_token: a token that
+releases no text yet makes an empty piece, which is not kept) or one prefill chunk, in slot
+order, so a new request's first token waits for one round of the others rather than for them
+to finish.
 A request that ends (a stop token or string, max_tokens, the context, cancelled) frees its
 slot at once for the next one.
 
@@ -13,9 +16,8 @@ only the rest (llama.cpp's `cache_prompt`, vLLM's prefix caching); `Stream.cache
 how many were reused (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
 Each request runs its own `Generation` in its own slot, with its own sampler and random
-state, and the same backend calls as alone: its tokens are the same alone or beside others,
-bit for bit (the decode steps are still one sequence at a time; a batched step that reads the
-weights once for all slots is the next piece of work, issue 20).
+state; the batched step's row for it has the bits of its forward alone (`BatchDecode`), so its
+tokens are the same alone or beside others, bit for bit.
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ class Scheduler:
                 stream.error = e
                 self._finish(stream, "error")
                 continue
+            if not piece.text and not piece.logprobs:
+                continue  # a token that released no text yet
             stream.pieces.append(piece)
             if self._on_piece is not None:
                 self._on_piece(stream, piece)
@@ -220,7 +224,7 @@ class Scheduler:
         r = stream.request
         stream._completion = self.session.complete(
             ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop, logprobs=r.logprobs,
-            slot=stream._slot, start_pos=stream._fed, ignore_eos=r.ignore_eos,
+            slot=stream._slot, start_pos=stream._fed, ignore_eos=r.ignore_eos, each_token=True,
         )
         stream._iterator = iter(stream._completion)
         return False

@@ -51,15 +51,136 @@ inline void dot_many(const T* w, const float* x, int64_t n, float* out, int64_t 
     out[v * out_stride] =
         halve16(_mm512_add_ps(_mm512_add_ps(a[v][0], a[v][1]), _mm512_add_ps(a[v][2], a[v][3])));
 }
+
+// `dot` (AVX-512) of R rows w, w + n, .. with V vectors x, x + n, .. at once: out[v *
+// out_stride + k] = dot(w + k n, x + v n, n). As the AVX2 one below: `dot`'s four registers
+// one after another (a pass over the row per register, lanes 16r .. 16r + 15 of every block),
+// R * V sums, R rows' weights and one vector's in registers, R + V loads per R * V
+// multiply-adds (dot_many loads 1 + 1 / V per multiply-add). Same bits as `dot`.
+template <typename T, int R, int V, bool Stream>
+inline void dot_rows(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
+  __m512 sums[R][V][4];
+  const int64_t blocks = n / kLanes * kLanes;
+  for (int lane = 0; lane < 4; ++lane) {
+    __m512 a[R][V];
+#pragma GCC unroll 8
+    for (int k = 0; k < R; ++k)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) a[k][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < blocks; i += kLanes) {
+      if (Stream && lane == 0)
+        for (int k = 0; k < R; ++k) stream_ahead(w + k * n + i);
+      const int64_t at = i + 16 * lane;
+      __m512 wv[R];
+#pragma GCC unroll 8
+      for (int k = 0; k < R; ++k) wv[k] = widen16(w + k * n + at);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        __m512 xv = _mm512_loadu_ps(x + v * n + at);
+        asm("" : "+v"(xv));  // one load for the R rows (see the AVX2 dot_rows)
+#pragma GCC unroll 8
+        for (int k = 0; k < R; ++k) a[k][v] = _mm512_fmadd_ps(wv[k], xv, a[k][v]);
+      }
+    }
+    // The last partial block, as `dot` takes it: register r gets its 16 lanes masked.
+    const int64_t at = blocks + 16 * lane, left = n - at;
+    if (left > 0) {
+      const __mmask16 keep =
+          left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      __m512 wv[R];
+      for (int k = 0; k < R; ++k) wv[k] = widen16(w + k * n + at, keep);
+      for (int v = 0; v < V; ++v) {
+        const __m512 xv = _mm512_maskz_loadu_ps(keep, x + v * n + at);
+        for (int k = 0; k < R; ++k) a[k][v] = _mm512_fmadd_ps(wv[k], xv, a[k][v]);
+      }
+    }
+    for (int k = 0; k < R; ++k)
+      for (int v = 0; v < V; ++v) sums[k][v][lane] = a[k][v];
+  }
+  for (int k = 0; k < R; ++k)
+    for (int v = 0; v < V; ++v) {
+      const __m512* s = sums[k][v];
+      out[v * out_stride + k] =
+          halve16(_mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3])));
+    }
+}
+#elif JLLAMA_AVX2
+// `dot` (simd.h, AVX2) of R rows w, w + n, .. with V vectors x, x + n, .. at once: out[v *
+// out_stride + k] = dot(w + k n, x + v n, n). `dot`'s register a<r> sums lanes 8r .. 8r + 7 of
+// every 64-lane block on its own, so the eight registers are taken one after another (a pass
+// over the row per register), each pass holding R * V sums, the R rows' weights and one
+// vector's in registers: R + V loads per R * V multiply-adds, where V separate dots load twice
+// per multiply-add. Each sum takes `dot`'s multiply-adds in `dot`'s order (the row's last
+// partial register zero-padded as `dot` pads it) and ends in `dot`'s tree, so it has `dot`'s
+// bits.
+template <typename T, int R, int V, bool Stream>
+inline void dot_rows(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
+  __m256 sums[R][V][8];
+  const int64_t blocks = n / kLanes * kLanes;
+  for (int lane = 0; lane < 8; ++lane) {
+    __m256 a[R][V];
+#pragma GCC unroll 8
+    for (int k = 0; k < R; ++k)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) a[k][v] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < blocks; i += kLanes) {
+      if (Stream && lane == 0)
+        for (int k = 0; k < R; ++k) stream_ahead(w + k * n + i);
+      const int64_t at = i + 8 * lane;
+      __m256 wv[R];
+#pragma GCC unroll 8
+      for (int k = 0; k < R; ++k) wv[k] = widen8(w + k * n + at);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        __m256 xv = _mm256_loadu_ps(x + v * n + at);
+        // In a register for the R rows: left alone the compiler folds the load into each
+        // row's multiply-add, R loads where one does (a tenth slower at R = 3, measured).
+        asm("" : "+x"(xv));
+#pragma GCC unroll 8
+        for (int k = 0; k < R; ++k) a[k][v] = _mm256_fmadd_ps(wv[k], xv, a[k][v]);
+      }
+    }
+    // The last partial block, as `dot` takes it: whole registers, then one zero-padded.
+    const int64_t at = blocks + 8 * lane, left = n - at;
+    if (left > 0) {
+      __m256 wv[R];
+      for (int k = 0; k < R; ++k) {
+        T wt[8] = {};
+        std::memcpy(wt, w + k * n + at, sizeof(T) * std::min<int64_t>(left, 8));
+        wv[k] = widen8(wt);
+      }
+      for (int v = 0; v < V; ++v) {
+        float xt[8] = {};
+        std::memcpy(xt, x + v * n + at, sizeof(float) * std::min<int64_t>(left, 8));
+        const __m256 xv = _mm256_loadu_ps(xt);
+        for (int k = 0; k < R; ++k) a[k][v] = _mm256_fmadd_ps(wv[k], xv, a[k][v]);
+      }
+    }
+    for (int k = 0; k < R; ++k)
+      for (int v = 0; v < V; ++v) sums[k][v][lane] = a[k][v];
+  }
+  for (int k = 0; k < R; ++k)
+    for (int v = 0; v < V; ++v) {
+      const __m256* s = sums[k][v];
+      out[v * out_stride + k] =
+          halve16(_mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[4], s[6])),
+                  _mm256_add_ps(_mm256_add_ps(s[1], s[3]), _mm256_add_ps(s[5], s[7])));
+    }
+}
+
+template <typename T, int V, bool Stream>
+inline void dot_many(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
+  dot_rows<T, 1, V, Stream>(w, x, n, out, out_stride);
+}
 #endif
 
-// y[b, r] = dot(row r, x[b]) for the vectors b in [b0, b1): with AVX-512 four vectors at a time
-// (`dot_many`), else one. The pass with b0 == 0 streams the weights ahead as a single product's
+// y[b, r] = dot(row r, x[b]) for the vectors b in [b0, b1): with AVX-512 or AVX2 four vectors
+// at a time (`dot_many`), else one. The pass with b0 == 0 streams the weights ahead as a single product's
 // does; the sums are the same either way.
 template <typename T>
 inline void row_batch(const Product& p, const T* row, int64_t r, int64_t b0, int64_t b1) {
   int64_t b = b0;
-#if JLLAMA_AVX512
+#if JLLAMA_AVX512 || JLLAMA_AVX2
   constexpr int V = 4;
   for (; b + V <= b1; b += V) {
     if (p.stream && b == 0) dot_many<T, V, true>(row, p.x, p.n, p.y + r, p.stride);
@@ -77,14 +198,46 @@ inline void row_batch(const Product& p, const T* row, int64_t r, int64_t b0, int
 // any sum.
 constexpr int64_t kTileRows = 8, kTileVectors = 4;
 
+#if JLLAMA_AVX512 || JLLAMA_AVX2
+// Rows r .. r + R - 1 with the vectors b0 .. b0 + kTileVectors - 1; the group with b0 == 0
+// streams the weights ahead as a single product's does.
+template <typename T, int R>
+inline void rows_group(const Product& p, const T* w, int64_t r, int64_t b0) {
+  constexpr int V = kTileVectors;
+  float* out = p.y + b0 * p.stride + r;
+  if (p.stream && b0 == 0) dot_rows<T, R, V, true>(w + r * p.n, p.x, p.n, out, p.stride);
+  else dot_rows<T, R, V, false>(w + r * p.n, p.x + b0 * p.n, p.n, out, p.stride);
+}
+#endif
+
 template <typename T>
 void rows_batch(const Product& p, int64_t begin, int64_t end) {
   const T* w = static_cast<const T*>(p.w);
   for (int64_t r0 = begin; r0 < end; r0 += kTileRows) {
     const int64_t r1 = std::min(end, r0 + kTileRows);
+    int64_t r = r0;
+#if JLLAMA_AVX512 || JLLAMA_AVX2
+    // The whole groups of vectors three rows (then two) at a time (`dot_rows`), two groups
+    // over the same rows before the next rows: the first group's pass streams them in (and the
+    // rows ahead), the second finds them in L1, so the weights stream in while both compute.
+    // Two groups only: the vectors of more stop fitting in L1 beside the rows.
+    const int64_t whole = p.batch / kTileVectors * kTileVectors;
+    if (whole) {
+      for (int64_t g0 = 0; g0 < whole; g0 += 2 * kTileVectors) {
+        const int64_t g1 = std::min(whole, g0 + 2 * kTileVectors);
+        for (r = r0; r + 3 <= r1; r += 3)
+          for (int64_t b0 = g0; b0 < g1; b0 += kTileVectors) rows_group<T, 3>(p, w, r, b0);
+        for (; r + 2 <= r1; r += 2)
+          for (int64_t b0 = g0; b0 < g1; b0 += kTileVectors) rows_group<T, 2>(p, w, r, b0);
+        for (int64_t q = r; q < r1; ++q) row_batch<T>(p, w + q * p.n, q, g0, g1);
+      }
+      for (int64_t q = r0; q < r1; ++q) row_batch<T>(p, w + q * p.n, q, whole, p.batch);
+      continue;
+    }
+#endif
     for (int64_t b0 = 0; b0 < p.batch; b0 += kTileVectors) {
       const int64_t b1 = std::min(p.batch, b0 + kTileVectors);
-      for (int64_t r = r0; r < r1; ++r) row_batch<T>(p, w + r * p.n, r, b0, b1);
+      for (r = r0; r < r1; ++r) row_batch<T>(p, w + r * p.n, r, b0, b1);
     }
   }
 }

@@ -16,9 +16,10 @@ from jllama.quant import Int8Matrix
 
 BATCH_TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS[13:16], strict=True))
 """The batched products' handlers per weight dtype (`matvec_batch`; batch.cc)."""
-GROUPED_INT8_BATCH, ROPE_ATTEND_BATCH, GGML_BATCH = SYMBOLS[16:19]
+GROUPED_INT8_BATCH, ROPE_ATTEND_BATCH, GGML_BATCH, SAMPLE_BATCH = SYMBOLS[16:20]
 """The batched product for grouped int8, the batched decode's RoPE, cache write and attention
-(`rope_attend_batch`), and the batched product of GGML blocks."""
+(`rope_attend_batch`), the batched product of GGML blocks, and every row's draw
+(`sample_batch`)."""
 
 
 def batch_supported(w) -> bool:
@@ -113,3 +114,30 @@ def rope_attend_batch(
         inv_freq.astype(jnp.float32), *key_current, *value_current, *key_blocks, *value_blocks,
     )
     return att, tuple(written[:batch]), tuple(written[batch:])
+
+
+@jax.jit
+def sample_batch(logits, temperature, top_p, coin, count):
+    """The next token of each row of a batched step, drawn by jllama's CPU kernel
+    (sampling.cc `sample_rows`): row b < count as `jllama.kernels.sample` with its own
+    temperature, top_p and coin (run.c's sampler, bit for bit the host `Sampler`'s token for
+    the same logits and coin), or run.c's argmax where its temperature is 0. The rows are shared
+    among XLA's threads. Call `jllama.kernels.load()` first.
+
+    Args:
+      logits: f32[B, vocab_size].
+      temperature: f32[B] (0: greedy); top_p: f32[B] (<= 0 or >= 1: the whole distribution);
+        coin: f32[B] in [0, 1), each row's `XorShiftRng.random_f32()` (unused where greedy).
+      count: int32 scalar, the rows to draw (the rest get token 0).
+
+    Returns:
+      (token: int32[B], finite: bool[B]): where a row holds an inf or NaN, finite is False and
+      its token means nothing.
+    """
+    b = logits.shape[0]
+    token, finite = jax.ffi.ffi_call(
+        SAMPLE_BATCH, (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    )(jnp.asarray(logits, jnp.float32), jnp.asarray(temperature, jnp.float32),
+      jnp.asarray(top_p, jnp.float32), jnp.asarray(coin, jnp.float32),
+      jnp.asarray(count, jnp.int32))
+    return token, finite != 0

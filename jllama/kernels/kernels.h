@@ -47,6 +47,7 @@ using F32Result = ffi::ResultBuffer<ffi::F32, 1>;
 using F32MatrixResult = ffi::ResultBuffer<ffi::F32, 2>;
 using F32HeadsResult = ffi::ResultBuffer<ffi::F32, 3>;
 using S32Result = ffi::ResultBuffer<ffi::S32, 0>;
+using S32VectorResult = ffi::ResultBuffer<ffi::S32, 1>;
 
 // The rows [begin, end) of one product. A std::function would allocate per call; a plain
 // struct with a function pointer keeps the shared state in one allocation.

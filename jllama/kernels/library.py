@@ -60,7 +60,7 @@ SYMBOLS = ("jllama_matvec_f32", "jllama_matvec_bf16", "jllama_matvec_int8",
            "jllama_matvec_ggml", "jllama_dequantize_ggml", "jllama_rows_ggml",
            "jllama_matmul_ggml", "jllama_matvec_batch_f32", "jllama_matvec_batch_bf16",
            "jllama_matvec_batch_int8", "jllama_matvec_batch_int8_groups",
-           "jllama_rope_attend_batch_f32", "jllama_matvec_batch_ggml")
+           "jllama_rope_attend_batch_f32", "jllama_matvec_batch_ggml", "jllama_sample_batch_f32")
 """The FFI handlers the library exports; a library lacking one is not used or cached."""
 
 VECTOR_WIDTH = "jllama_vector_width"

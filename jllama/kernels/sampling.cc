@@ -168,8 +168,59 @@ ffi::Error ArgmaxF32(F32Vector logits, S32Result token, S32Result finite) {
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// The next token of every row of a batched decode step (`jllama.kernels.sample_batch`): row b <
+// count is `sample_token` of logits[b] with its own temperature, top_p and coin, or run.c's
+// argmax where its temperature is 0, and finite[b] says whether every logit of the row is
+// finite (the token means nothing where not). Rows are shared among the threads (a row's draw
+// is ~49152 exps in double for SmolLM2); rows from count on get 0.
+
+struct SampleRows {
+  const float *logits, *temperature, *top_p, *coin;
+  int64_t vocab;
+  int32_t *token, *finite;
+};
+
+void sample_rows(const Product& p, int64_t begin, int64_t end) {
+  const SampleRows& s = *static_cast<const SampleRows*>(p.w);
+  for (int64_t b = begin; b < end; ++b) {
+    const float* row = s.logits + b * s.vocab;
+    bool finite = true;
+    for (int64_t i = 0; i < s.vocab && finite; ++i) finite = std::isfinite(row[i]);
+    s.finite[b] = finite ? 1 : 0;
+    if (!finite) s.token[b] = 0;
+    else if (s.temperature[b] == 0.0f) s.token[b] = static_cast<int32_t>(first_max(row, s.vocab));
+    else s.token[b] = static_cast<int32_t>(
+        sample_token(row, s.vocab, s.temperature[b], s.top_p[b], s.coin[b]));
+  }
+}
+
+ffi::Error SampleBatchF32(ffi::ThreadPool pool, F32Matrix logits, F32Vector temperature,
+                          F32Vector top_p, F32Vector coin, S32Scalar count,
+                          S32VectorResult token, S32VectorResult finite) {
+  const int64_t batch = logits.dimensions()[0], vocab = logits.dimensions()[1];
+  const int64_t live = *count.typed_data();
+  if (vocab < 1) return ffi::Error::InvalidArgument("jllama sample_batch: no logits");
+  if (temperature.dimensions()[0] != batch || top_p.dimensions()[0] != batch ||
+      coin.dimensions()[0] != batch)
+    return ffi::Error::InvalidArgument("jllama sample_batch: one temperature, top_p, coin a row");
+  if (live < 0 || live > batch)
+    return ffi::Error::InvalidArgument("jllama sample_batch: count outside 0 .. batch");
+  SampleRows s{logits.typed_data(), temperature.typed_data(), top_p.typed_data(),
+               coin.typed_data(), vocab, token->typed_data(), finite->typed_data()};
+  for (int64_t b = live; b < batch; ++b) s.token[b] = 0, s.finite[b] = 1;
+  run(pool.num_threads(), Product{sample_rows, &s, nullptr, nullptr, nullptr, vocab}, live);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jllama_sample_batch_f32, SampleBatchF32,
+    (args<F32Matrix, F32Vector, F32Vector, F32Vector, S32Scalar>(  // logits, T, top_p, coin, count
+         ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
+         .Ret<S32Vector>()  // token
+         .Ret<S32Vector>()));  // finite
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jllama_argmax_f32, ArgmaxF32,
                               (rets<S32Scalar, S32Scalar>(ffi::Ffi::Bind().Arg<F32Vector>())));
 // Parenthesized: the commas between the template arguments would split the macro's arguments.

@@ -60,22 +60,27 @@ def _logit_steps(c: SamplerConfig) -> list[LogitStep]:
     return steps
 
 
-def _candidate_steps(c: SamplerConfig) -> list[CandidateStep]:
-    """The candidate steps in `c.order`, those switched off left out (each filter would leave
-    the candidates unchanged)."""
-    steps = {
-        "top_k": functools.partial(chain.top_k_filter, k=c.top_k),
-        "temperature": functools.partial(chain.temperature_scale, temperature=c.temperature),
-        "top_p": functools.partial(chain.top_p_filter, top_p=c.top_p),
-        "min_p": functools.partial(chain.min_p_filter, min_p=c.min_p),
-    }
+def _steps_on(c: SamplerConfig) -> list[str]:
+    """The names of the candidate steps that are on, in `c.order` (a switched-off filter would
+    leave the candidates unchanged)."""
     on = {
         "top_k": c.top_k > 0,
         "temperature": True,
         "top_p": 0 < np.float32(c.top_p) < 1,  # top_p_filter's test, in float32 as run.c
         "min_p": c.min_p > 0,
     }
-    return [steps[name] for name in c.order if on[name]]
+    return [name for name in c.order if on[name]]
+
+
+def _candidate_steps(c: SamplerConfig) -> list[CandidateStep]:
+    """The candidate steps in `c.order`, those switched off left out."""
+    steps = {
+        "top_k": functools.partial(chain.top_k_filter, k=c.top_k),
+        "temperature": functools.partial(chain.temperature_scale, temperature=c.temperature),
+        "top_p": functools.partial(chain.top_p_filter, top_p=c.top_p),
+        "min_p": functools.partial(chain.min_p_filter, min_p=c.min_p),
+    }
+    return [steps[name] for name in _steps_on(c)]
 
 
 class Sampler:
@@ -108,6 +113,10 @@ class Sampler:
         logit_steps: the steps on the whole logit vector (`LogitStep`s), in order.
         candidate_steps: the steps on the candidates (`CandidateStep`s), in order; None for
             greedy sampling (temperature 0 as a float32).
+        runc_settings: (temperature, top_p) as float32 when a draw is exactly run.c's
+            sampler (no bias, no penalty; temperature then top_p, or greedy: temperature 0),
+            so a kernel drawing run.c's way with a coin from `rng` gives this sampler's token
+            (`jllama.kernels.batched.sample_batch`); None otherwise.
 
     Raises:
         SamplerError (a ValueError): a setting out of range or unknown, naming it.
@@ -129,6 +138,10 @@ class Sampler:
         self.candidate_steps: tuple[CandidateStep, ...] | None = None
         if np.float32(config.temperature) != 0:
             self.candidate_steps = tuple(_candidate_steps(config))
+        self.runc_settings: tuple[np.float32, np.float32] | None = None
+        if not self.logit_steps and (self.candidate_steps is None or _steps_on(config) in (
+                ["temperature"], ["temperature", "top_p"])):
+            self.runc_settings = (np.float32(config.temperature), np.float32(config.top_p))
 
     @classmethod
     def from_config(cls, config: SamplerConfig) -> Sampler:
