@@ -199,6 +199,14 @@ inline void row_batch(const Product& p, const T* row, int64_t r, int64_t b0, int
 constexpr int64_t kTileRows = 8, kTileVectors = 4;
 
 #if JLLAMA_AVX512 || JLLAMA_AVX2
+// Rows per `dot_rows` call: R * V sums, R weights and a vector in registers (16 ymm with AVX2,
+// 32 zmm with AVX-512).
+#if JLLAMA_AVX512
+constexpr int kRowsAtOnce = 4;
+#else
+constexpr int kRowsAtOnce = 3;
+#endif
+
 // Rows r .. r + R - 1 with the vectors b0 .. b0 + kTileVectors - 1; the group with b0 == 0
 // streams the weights ahead as a single product's does.
 template <typename T, int R>
@@ -217,7 +225,7 @@ void rows_batch(const Product& p, int64_t begin, int64_t end) {
     const int64_t r1 = std::min(end, r0 + kTileRows);
     int64_t r = r0;
 #if JLLAMA_AVX512 || JLLAMA_AVX2
-    // The whole groups of vectors three rows (then two) at a time (`dot_rows`), two groups
+    // The whole groups of vectors kRowsAtOnce rows (then two) at a time (`dot_rows`), two groups
     // over the same rows before the next rows: the first group's pass streams them in (and the
     // rows ahead), the second finds them in L1, so the weights stream in while both compute.
     // Two groups only: the vectors of more stop fitting in L1 beside the rows.
@@ -225,8 +233,9 @@ void rows_batch(const Product& p, int64_t begin, int64_t end) {
     if (whole) {
       for (int64_t g0 = 0; g0 < whole; g0 += 2 * kTileVectors) {
         const int64_t g1 = std::min(whole, g0 + 2 * kTileVectors);
-        for (r = r0; r + 3 <= r1; r += 3)
-          for (int64_t b0 = g0; b0 < g1; b0 += kTileVectors) rows_group<T, 3>(p, w, r, b0);
+        for (r = r0; r + kRowsAtOnce <= r1; r += kRowsAtOnce)
+          for (int64_t b0 = g0; b0 < g1; b0 += kTileVectors)
+            rows_group<T, kRowsAtOnce>(p, w, r, b0);
         for (; r + 2 <= r1; r += 2)
           for (int64_t b0 = g0; b0 < g1; b0 += kTileVectors) rows_group<T, 2>(p, w, r, b0);
         for (int64_t q = r; q < r1; ++q) row_batch<T>(p, w + q * p.n, q, g0, g1);
