@@ -310,3 +310,19 @@ def test_a_seq_len_above_the_models_context_is_capped_with_a_note():
     assert ("jllama: note: --seq_len=100000 is more than the model's context; using 512"
             in result.stderr.splitlines())
     assert "--seq_len" not in run("--seq_len=512", "--steps=3", "--temperature=0").stderr
+
+
+def test_a_long_context_is_capped_at_4096_without_seq_len():
+    """The Llama 3.2-style test file declares 131072 positions (its llama.context_length):
+    without --seq_len the cache holds 4096 (llama.cpp's default), and stderr says how to have
+    all of them."""
+    gguf_file = "tests/data/llama32_tiny/llama32-tiny-Q4_K_M.gguf"
+    result = run(f"--checkpoint={gguf_file}", "--steps=3", "--temperature=0", "--prompt=Hi")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert ("jllama: note: the context is 4096 tokens of the model's 131072; "
+            "--seq_len=131072 allocates all of it") in lines
+    assert any("required memory" in line and "(4096 tokens" in line for line in lines), lines
+    asked = run(f"--checkpoint={gguf_file}", "--steps=3", "--temperature=0", "--prompt=Hi",
+                "--seq_len=8192").stderr
+    assert "note: the context" not in asked and "(8192 tokens" in asked

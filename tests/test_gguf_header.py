@@ -139,3 +139,65 @@ def test_invalid_utf8_and_repeated_keys_are_refused(tmp_path):
 def test_block_sizes_are_ggmls():
     assert {t: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)] for t in BLOCK_SIZES} == \
         BLOCK_SIZES
+
+
+def _three_tensors(path):
+    """A file with tensors a (Q8_0, 2 x 64), b (F32, 3) and c (F16, 40), written by gguf's
+    writer: a at 0, b at 160 (2 blocks of 34 bytes a row = 136, padded to 32), c at 192."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    q8 = gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("a", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # u8[2, 68]
+    writer.add_tensor("b", np.arange(3, dtype=np.float32))
+    writer.add_tensor("c", np.ones(40, np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _patched(path, tmp_path, name, offset=None, type_id=None):
+    """A copy of path with tensor `name`'s offset or type id replaced (located with GGUFReader,
+    whose tensor field ends with the type id and the offset)."""
+    reader = gguf.GGUFReader(str(path))
+    field = next(t.field for t in reader.tensors if t.name == name)
+    data = bytearray(path.read_bytes())
+    end = field.offset + sum(p.nbytes for p in field.parts)  # just past the offset
+    if offset is not None:
+        data[end - 8:end] = struct.pack("<Q", offset)
+    if type_id is not None:
+        data[end - 12:end - 8] = struct.pack("<I", type_id)
+    out = tmp_path / f"{name}-{offset}-{type_id}.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("name, offset, type_id, needle", [
+    ("b", 2**64 - 1, None, "runs past the end of the file"),
+    ("b", 0, None, "tensor 'b' has offset 0, expected 160"),  # on top of a
+    ("c", 0, None, "tensor 'c' has offset 0, expected 192"),
+    ("b", 164, None, "tensor 'b' has offset 164, expected 160"),  # not a multiple of 32
+    # Q4_0 declared over a's Q8_0 bytes: a is 2 x 2 x 18 = 72 bytes, so b should be at 96.
+    ("a", None, int(gguf.GGMLQuantizationType.Q4_0), "tensor 'b' has offset 160, expected 96"),
+])
+def test_misplaced_tensors_are_refused(tmp_path, name, offset, type_id, needle):
+    good = _three_tensors(tmp_path / "good.gguf")
+    assert [t.data_offset - read_header(good).data_offset for t in read_header(good).tensors] \
+        == [0, 160, 192]
+    with pytest.raises(ValueError) as info:
+        read_header(_patched(good, tmp_path, name, offset, type_id))
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tensor_sizes_do_not_wrap(tmp_path):
+    """dims 2^32 x 2^32 x 4 make 2^66 elements (0 in uint64): refused as past the end."""
+    def s(text):
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    info = s("t") + struct.pack("<I", 3) + struct.pack("<3Q", 2**32, 2**32, 4) + \
+        struct.pack("<IQ", 0, 0)
+    data = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + info
+    path = tmp_path / "wrap.gguf"
+    path.write_bytes(data + bytes(-len(data) % 32 + 64))
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        read_header(path)

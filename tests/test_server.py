@@ -449,3 +449,111 @@ def test_jllama_serve_command():
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
+
+
+def test_max_tokens_beyond_the_context_is_a_400(server):
+    """stories260K's context is 512 tokens: a short prompt with max_tokens=600 cannot fit
+    (OpenAI answers 400 too; it was clamped with a 200)."""
+    with httpx.Client(timeout=TIMEOUT) as http:
+        reply = http.post(server.url + "/v1/completions", json={**GOOD, "max_tokens": 600})
+        assert reply.status_code == 400
+        error = reply.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+        fits = http.post(server.url + "/v1/completions", json={**GOOD, "max_tokens": 500})
+        assert fits.status_code == 200
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("response_format", {"type": "json_object"}),
+])
+def test_completions_refuse_tools_and_response_format(server, field, value):
+    with httpx.Client(timeout=TIMEOUT) as http:
+        reply = http.post(server.url + "/v1/completions", json={**GOOD, field: value})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+        plain = http.post(server.url + "/v1/completions",
+                          json={**GOOD, "response_format": {"type": "text"}})
+        assert plain.status_code == 200
+
+
+def test_a_full_queue_says_when_to_retry(model):
+    """max_waiting=0: every request is refused with 503, OpenAI's error object and a
+    Retry-After header (clients back off by it)."""
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    with ServerThread(model, backend, MODEL, max_waiting=0) as running, \
+            httpx.Client(timeout=TIMEOUT) as http:
+        reply = http.post(running.url + "/v1/completions", json=GOOD)
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+        assert reply.json()["error"]["code"] == "queue_full"
+
+
+def test_a_client_gone_while_sending_its_body_logs_no_traceback(model, capfd):
+    """Three clients declare a 1000-byte body, send 10 bytes and close: no traceback per
+    connection (it was 57 lines of starlette.requests.ClientDisconnect), and the server goes
+    on answering."""
+    import socket
+
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    with ServerThread(model, backend, MODEL) as running, httpx.Client(timeout=TIMEOUT) as http:
+        host, port = running.url.split("//")[1].split("/")[0].split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as raw:
+                raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                            b'{"model":')
+                time.sleep(0.2)
+        time.sleep(0.5)
+        assert http.post(running.url + "/v1/completions", json=GOOD).status_code == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ClientDisconnect" not in err, err
+
+
+def test_sigterm_under_load_ends_every_stream_and_exits_0():
+    """8 streams of 240 tokens on `jllama serve --parallel=4`; SIGTERM once one stream has 20
+    events: every stream ends with an error event ("shutting_down") or its finish_reason,
+    then [DONE], and the process exits 0 (uvicorn re-raised the SIGTERM: exit -15)."""
+    import asyncio
+
+    process = subprocess.Popen(
+        jllama_command() + ["serve", "--port=0", "--parallel=4", "--seq_len=256"],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = None
+        for line in process.stderr:
+            if "serving stories260K" in line:
+                url = line.split(" at ")[1].split()[0]
+                break
+        assert url
+        sent = []
+
+        async def stream(i):
+            events = []
+            async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+                body = {"model": MODEL, "prompt": "Once", "max_tokens": 240, "stream": True,
+                        "temperature": 0.8, "seed": i}
+                async with http.stream("POST", url + "/completions", json=body) as reply:
+                    assert reply.status_code == 200
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            if len(events) == 20 and not sent:
+                                sent.append(process.send_signal(signal.SIGTERM))
+            return events
+
+        async def all_streams():
+            return await asyncio.gather(*[stream(i) for i in range(8)])
+
+        for events in asyncio.run(all_streams()):
+            assert events[-1] == "[DONE]"
+            last = json.loads(events[-2])
+            assert ("error" in last and last["error"]["code"] == "shutting_down"
+                    or last["choices"][0]["finish_reason"] in ("stop", "length")), last
+        assert sent and process.wait(30) == 0
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)

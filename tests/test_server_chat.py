@@ -110,6 +110,12 @@ def test_chat_errors(client):
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2
         )
+    for field in ("max_tokens", "max_completion_tokens"):  # 512 positions: cannot fit
+        with pytest.raises(openai.BadRequestError, match=f"{field}=600") as info:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], **{field: 600})
+        assert info.value.body["code"] == "context_length_exceeded"
+        assert info.value.body["param"] == field
     ok = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
     )

@@ -19,7 +19,7 @@ from jllama.cli.common import compile_programs, device_count, one_process, open_
 from jllama.cli.options import Options
 from jllama.engine import Request, complete_all
 from jllama.errors import JllamaError
-from jllama.files import require_regular_file
+from jllama.files import parse_json, require_regular_file
 from jllama.loading import open_model, required_memory
 from jllama.sampling import seed_from_clock
 
@@ -49,9 +49,9 @@ def read_prompts(path: str) -> list[dict]:
         item = {"prompt": line}
         if line.lstrip().startswith("{"):
             try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise JllamaError(f"{what}: line {number} is not valid JSON ({e.msg})") from None
+                item = parse_json(line)
+            except ValueError as e:
+                raise JllamaError(f"{what}: line {number} is not valid JSON ({e})") from None
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
                 raise JllamaError(f"{what}: line {number}: a JSON line needs a \"prompt\" string")
             for key, kind in (("max_tokens", int), ("seed", int)):

@@ -79,11 +79,17 @@ def compile_programs(run: RunOptions, speak: bool = True) -> compile_cache.Compi
     return compile_cache.setup(enabled=use, warn=None if speak else (lambda line: None))
 
 
-def note_seq_len(options: Options, config) -> None:
-    """Says so when --seq_len asked for more context than the model has (it is capped)."""
+def note_seq_len(options: Options, model) -> None:
+    """Says so when --seq_len asked for more context than the model has (it is capped), or
+    when, without --seq_len, the model's context was capped at DEFAULT_CONTEXT (and how to
+    have it all). model: a `jllama.loading.Model`."""
+    config = model.config
     if options.seq_len_asked > config.seq_len:
         say(f"note: --seq_len={options.seq_len_asked} is more than the model's context; "
             f"using {config.seq_len}")
+    elif not options.seq_len_asked and model.context_length > config.seq_len:
+        say(f"note: the context is {config.seq_len} tokens of the model's "
+            f"{model.context_length}; --seq_len={model.context_length} allocates all of it")
 
 
 def device_count(run: RunOptions, config, several: bool) -> int:

@@ -87,7 +87,8 @@ flags.DEFINE_string(
 flags.DEFINE_integer(
     "seq_len",
     0,
-    "Context to allocate the KV cache for (tokens), at most the model's; 0 = the model's.",
+    "Context to allocate the KV cache for (tokens), at most the model's; 0 = the model's, "
+    "capped at 4096 (as llama.cpp) for a model made for more.",
     lower_bound=0,
 )
 flags.DEFINE_bool(

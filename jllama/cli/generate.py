@@ -40,7 +40,7 @@ def main(options: Options) -> int:
     if text.verify_checkpoint:
         return _verify(model.weights)
     if speak:
-        note_seq_len(options, config)
+        note_seq_len(options, model)
     _check_mode(text, model, several)
     n_devices = device_count(run, config, several)
     prompt_ids = []

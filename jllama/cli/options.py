@@ -19,10 +19,16 @@ _LLAMA_CPP_SAMPLER_FLAGS = ("top_k", "min_p", "repeat_penalty", "presence_penalt
 _FLAG_OF_FIELD = {"order": "samplers"}
 
 
+DEFAULT_CONTEXT = 4096
+"""The context the KV cache holds without --seq_len when the model's is longer (tokens), as
+llama.cpp's default: a model made for 1M positions would otherwise allocate gigabytes of cache
+(and a minute of work) for a short prompt."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
-    """What to read: --checkpoint, --tokenizer, --seq_len (None: the model's), --dtype (None:
-    as stored)."""
+    """What to read: --checkpoint, --tokenizer, --seq_len (the model's context up to
+    DEFAULT_CONTEXT when not given), --dtype (None: as stored)."""
 
     checkpoint: str | None
     tokenizer: str | None
@@ -127,7 +133,7 @@ def from_flags() -> Options:
     jax_modes = tuple((name, f[name].value) for name in ("decode", "matvec")
                       if f[name].present and f[name].value != "auto")
     return Options(
-        model=ModelOptions(f.checkpoint, f.tokenizer, f.seq_len or None,
+        model=ModelOptions(f.checkpoint, f.tokenizer, f.seq_len or DEFAULT_CONTEXT,
                            None if f.dtype == "auto" else f.dtype),
         run=RunOptions(f.backend, f.decode, f.matvec, f.prefill, f.devices, f.threads,
                        f.compile_cache, f.coordinator, f.num_processes, f.process_id,

@@ -37,7 +37,7 @@ def main(options: Options) -> int:
     sock = bind(serve.host, serve.port)  # before the slow load: a busy port fails at once
     model = open_model(m.checkpoint, m.tokenizer, seq_len=m.seq_len, dtype=m.dtype)
     n_devices = device_count(run, model.config, several=False)
-    note_seq_len(options, model.config)
+    note_seq_len(options, model)
     say(required_memory(model, n_devices))
     compile_programs(run)  # programs compiled per request are kept for the next server too
     # Every request brings its own sampler, sampled on the host: never the device loop.

@@ -16,6 +16,7 @@ reads as 0 in the low half) is read in that byte order, as GGUFReader does.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import struct
 from typing import Any, NamedTuple
@@ -172,7 +173,9 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     Raises:
       ValueError: not GGUF, a version other than 2 or 3, a header or tensor that runs past the
         end of the file, a string that is not UTF-8, an unknown value or tensor type, a
-        duplicate key or tensor name, or a bad `general.alignment`; one line.
+        duplicate key or tensor name, a bad `general.alignment`, or a tensor that does not
+        begin where the one before it ends (padded to the alignment: overlapping, misplaced or
+        misaligned tensors, a type declared over another type's bytes); one line.
       OSError: the file cannot be opened or mapped.
     """
     mapped = np.memmap(path, mode="r")
@@ -212,12 +215,20 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
             or alignment & (alignment - 1):
         raise ValueError(f"general.alignment={alignment!r} is not a power of two")
     data_offset = -(-cursor.pos // alignment) * alignment
-    tensors, names = [], set()
+    tensors, names, expected = [], set(), 0
     for name, dims, type_id, offset in infos:
         if name in names:
             raise ValueError(f"tensor {name!r} appears twice")
         names.add(name)
-        tensors.append(_tensor(mapped, cursor.order, name, dims, type_id, data_offset + offset))
+        tensor = _tensor(mapped, cursor.order, name, dims, type_id, data_offset + offset)
+        # As llama.cpp's loader (gguf_init_from_file_impl): each tensor begins where the one
+        # before it ends, padded to the alignment. So no two overlap, none is misaligned, and a
+        # type declared over bytes sized for another type moves every later tensor's offset.
+        if offset != expected:
+            raise ValueError(f"tensor {name!r} has offset {offset}, expected {expected} (each "
+                             f"tensor follows the one before it, padded to {alignment} bytes)")
+        expected += -(-tensor.n_bytes // alignment) * alignment
+        tensors.append(tensor)
     return GGUFHeader(version=version, metadata=metadata, tensors=tensors,
                       alignment=alignment, data_offset=data_offset)
 
@@ -237,9 +248,13 @@ def _tensor(mapped: np.memmap, order: str, name: str, dims: list[int], type_id: 
     if sizes is None:
         raise ValueError(f"tensor {name!r} has unknown ggml type {type_id}")
     block, type_size = sizes
-    n_elements = int(np.prod(dims, dtype=np.uint64)) if dims else 1
-    n_bytes = n_elements * type_size // block
+    # Python ints: a product of uint64 dims wraps (2^32 x 2^32 x 2 reads as 0 elements).
+    n_elements = math.prod(int(d) for d in dims)
     shape = tuple(reversed(dims))
+    if block > 1 and shape and shape[-1] % block:
+        raise ValueError(f"tensor {name!r}: its rows of {shape[-1]} elements are not whole "
+                         f"blocks of {block}")
+    n_bytes = n_elements * type_size // block
     if start + n_bytes > len(mapped):
         raise ValueError(f"tensor {name!r}: its tensor data runs past the end of the file "
                          f"({start + n_bytes} > {len(mapped)} bytes)")
@@ -247,9 +262,6 @@ def _tensor(mapped: np.memmap, order: str, name: str, dims: list[int], type_id: 
     if plain is not None:
         dtype, count = np.dtype(order + plain), n_elements
     else:
-        if shape and shape[-1] % block:
-            raise ValueError(f"tensor {name!r}: its rows of {shape[-1]} elements are not whole "
-                             f"blocks of {block}")
         dtype, count = np.dtype(np.uint8), n_bytes
         shape = (*shape[:-1], shape[-1] // block * type_size) if shape else shape
     data = np.frombuffer(mapped, dtype, count, start).reshape(shape)

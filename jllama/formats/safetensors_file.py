@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import os
 import struct
@@ -30,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from jllama.errors import CheckpointError
-from jllama.files import require_regular_file
+from jllama.files import parse_json, require_regular_file
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -82,10 +81,9 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, SafetensorsEnt
             )
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        detail = " ".join(str(e).split())
-        raise CheckpointError(f"{path}: malformed safetensors header ({detail})") from None
+        header = parse_json(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: malformed safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: malformed safetensors header (not a JSON object)")
     data_start, data_size = 8 + n, size - 8 - n
@@ -178,10 +176,13 @@ def read_json(path: Path, what: str, error: type[Exception]) -> Any:
     """
     require_regular_file(path, f"{what} {path}", error)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        detail = " ".join(str(e).split())
-        raise error(f"{what} {path}: not valid JSON ({detail})") from None
+        raw = path.read_bytes()
+    except OSError as e:
+        raise error(f"{what} {path}: cannot read: {e.strerror or e}") from None
+    try:
+        return parse_json(raw)
+    except ValueError as e:
+        raise error(f"{what} {path}: not valid JSON ({e})") from None
 
 
 def find_tensors(folder: Path, source: str) -> dict[str, SafetensorsEntry]:

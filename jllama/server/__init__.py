@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 
@@ -64,7 +65,20 @@ def make_server(engine, model_id: str, sock: socket.socket, **app_options):
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
         h11_max_incomplete_event_size=64 * 1024,
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGINT or SIGTERM first ends every running stream
+        with an error event and [DONE] (`end_streams`), and a SIGTERM is not raised again
+        after the shutdown (uvicorn re-raises it: exit -15): the server exits 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            app.state.end_streams("the server is shutting down")
+            if sig == signal.SIGTERM:
+                self.should_exit = True
+                return
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     server.jllama_socket = sock
     return server
 

@@ -16,6 +16,7 @@ import codecs
 import json
 import secrets
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -23,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jllama.chat import ChatTemplate
 from jllama.errors import JllamaError
@@ -36,8 +38,13 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 _DRAIN_LIMIT = 256 * 1024 * 1024  # read (and drop) at most this much of an oversized body
 
 
+RETRY_AFTER_S = 1
+"""The Retry-After a 503 (queue full) carries, seconds."""
+
+
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -47,15 +54,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     too_big = declared is not None and declared.isdigit() and int(declared) > limit
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            too_big = True
-        if too_big:
-            if total > _DRAIN_LIMIT:
-                break
-            continue
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                too_big = True
+            if too_big:
+                if total > _DRAIN_LIMIT:
+                    break
+                continue
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone while sending: one access-log line, not a traceback
+        raise APIError(499, "the client closed the connection while sending the body") from None
     if too_big:
         raise APIError(
             413, f"the request body is larger than the limit of {limit} bytes",
@@ -81,6 +91,24 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         template = ChatTemplate.for_tokenizer(model.chat_template, tokenizer, source=model.source)
 
     app = FastAPI(title="jllama", docs_url=None, redoc_url=None, openapi_url=None)
+    # Submitted jobs, until their requests end (keyed by id: a Job compares by value).
+    live: weakref.WeakValueDictionary[int, Job] = weakref.WeakValueDictionary()
+
+    def submit(job: Job) -> None:
+        engine.submit(job)
+        live[id(job)] = job
+
+    def end_streams(why: str) -> None:
+        """Every unfinished job's request ends now with an error (a stream's last event, then
+        [DONE]; a waiting request's 503), and its generation is cancelled: a server shutting
+        down must not cut streams mid-way nor wait for them to finish."""
+        error = APIError(503, why, type="server_error", code="shutting_down")
+        for job in list(live.values()):
+            if job.loop is not None and not job.finished.is_set():
+                job._emit(Failed(error))
+                job.cancel()
+
+    app.state.end_streams = end_streams
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
@@ -141,11 +169,19 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         if name != model_id:
             raise _unknown_model(name)
 
-    def check_length(ids: list[int], param: str) -> None:
+    def check_length(ids: list[int], param: str, max_tokens: int | None,
+                     max_param: str = "max_tokens") -> None:
         if len(ids) > seq_len:
             raise APIError(
                 400, f"{param} is {len(ids)} tokens, longer than the context of {seq_len} "
                 "tokens", param=param, code="context_length_exceeded",
+            )
+        # As OpenAI's API: the prompt and max_tokens together must fit (not clamped).
+        if max_tokens is not None and len(ids) + max_tokens > seq_len:
+            raise APIError(
+                400, f"{param} ({len(ids)} tokens) and {max_param}={max_tokens} together are "
+                f"more than the context of {seq_len} tokens", param=max_param,
+                code="context_length_exceeded",
             )
 
     def encode_prompt(prompt: str | list[int]) -> list[int]:
@@ -178,10 +214,10 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         check_model(body.model)
         sampler = body.sampler_config(tokenizer.vocab_size)
         ids = await run_in_threadpool(encode_prompt, body.prompt)
-        check_length(ids, "prompt")
-        job = Job(ids, sampler, 16 if body.max_tokens is None else body.max_tokens,
-                  stop=body.stop, logprobs=body.logprobs)
-        engine.submit(job)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        check_length(ids, "prompt", max_tokens)
+        job = Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs)
+        submit(job)
         ident, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
 
         def chunk(text: str, logprobs, finish_reason) -> dict:
@@ -225,11 +261,12 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         sampler = body.sampler_config(tokenizer.vocab_size)
         ids = await run_in_threadpool(encode_chat, body.message_dicts())
-        check_length(ids, "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
+        check_length(ids, "messages", max_tokens, "max_completion_tokens"
+                     if body.max_completion_tokens else "max_tokens")
         job = Job(ids, sampler, max_tokens, stop=body.stop,
                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        engine.submit(job)
+        submit(job)
         ident, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
 
         def chunk(delta: dict, logprobs, finish_reason) -> dict:

@@ -197,6 +197,12 @@ class CompletionRequest(_Sampling):
         str | None, _refuse(lambda suffix: not suffix, "suffix (insertion) is not supported")
     ] = None
     best_of: Annotated[int | None, _refuse(lambda n: n == 1, "only best_of=1 is supported")] = None
+    # Not fields of OpenAI's completions API, but a client that sends them expects them
+    # applied: refused as on /v1/chat/completions rather than silently ignored.
+    tools: Annotated[Any, _refuse(lambda tools: not tools,
+                                  "tools (function calling) are not supported")] = None
+    response_format: Annotated[Any, _refuse(lambda f: f is None or f == {"type": "text"},
+                                            'only {"type": "text"} is supported')] = None
 
     @field_validator("prompt")
     @classmethod

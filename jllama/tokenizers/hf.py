@@ -24,14 +24,13 @@ lstrip/rstrip/single_word) is a one-line `TokenizerError` naming what was found.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jllama.errors import TokenizerError
-from jllama.files import require_regular_file
+from jllama.files import parse_json, require_regular_file
 from jllama.tokenizers.bpe import END_OF_GENERATION_TEXTS, ByteLevelBPE
 from jllama.tokenizers.hf_build import (
     BYTE_LEVEL_PRE_TOKENIZERS,
@@ -192,11 +191,9 @@ def _read_json(path: Path, required: bool) -> Any:
     except UnicodeDecodeError as e:
         raise TokenizerError(f"{what}: not UTF-8 text (byte {e.start})") from None
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(
-            f"{what}: not valid JSON: line {e.lineno} column {e.colno}: {e.msg}"
-        ) from None
+        data = parse_json(text)
+    except ValueError as e:
+        raise TokenizerError(f"{what}: not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{what}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -296,6 +293,10 @@ def _first_ids(tokens: Sequence[str | None]) -> dict[str, int]:
 
 
 
+MAX_UNNAMED_IDS = 1 << 20
+"""The most ids below a tokenizer.json's largest id that no token may leave unnamed."""
+
+
 def _vocabulary(
     model: Mapping, added: Sequence, src: str
 ) -> tuple[list[str | None], list[Added]]:
@@ -330,7 +331,15 @@ def _vocabulary(
                 )
         extra.append(Added(item["content"], item["id"], bool(item.get("special"))))
         by_id[item["id"]] = item["content"]
-    tokens: list[str | None] = [None] * (max(by_id) + 1)
+    # The table below has an entry per id up to the largest: checked first, or a crafted id of
+    # 10^12 asks for terabytes. Real vocabularies leave a few ids unnamed, never millions.
+    top = max(by_id)
+    if top >= len(by_id) + MAX_UNNAMED_IDS:
+        raise TokenizerError(
+            f"{src}: token id {top} ({by_id[top]!r:.40}) is beyond the {len(by_id)} tokens the "
+            f"file names by more than {MAX_UNNAMED_IDS} ids (a damaged or crafted file)"
+        )
+    tokens: list[str | None] = [None] * (top + 1)
     for i, text in by_id.items():
         tokens[i] = text
     return tokens, extra
