@@ -334,6 +334,36 @@ def test_a_client_that_disconnects_frees_the_worker(model):
             assert http.post(slow.url + "/v1/completions", json=short).status_code == 200
 
 
+def test_a_non_streamed_client_that_disconnects_frees_the_worker_at_once(model):
+    """A non-streamed request (480 tokens at 20 ms each: ~10 s) whose client leaves once it
+    runs: the worker stops within a few of its 20 ms steps (it generated to the end: the
+    events kept coming, and the disconnect was only polled between them)."""
+    import socket
+
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    with ServerThread(model, _SlowBackend(backend), MODEL, use_prefill=False) as slow, \
+            httpx.Client(timeout=TIMEOUT) as http:
+        host, port = slow.url.split("//")[1].split("/")[0].split(":")
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 480}).encode()
+        raw = socket.create_connection((host, int(port)))
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                    b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        while http.get(slow.url + "/health").json()["requests_running"] == 0:
+            time.sleep(0.01)
+        time.sleep(0.2)  # ten tokens in
+        raw.close()
+        left = time.monotonic()
+        while time.monotonic() - left < 8:
+            health = http.get(slow.url + "/health").json()
+            if health["requests_running"] == 0:
+                break
+            time.sleep(0.01)
+        stopped = time.monotonic() - left
+        assert health["requests_cancelled"] == 1 and health["requests_completed"] == 0, health
+        assert stopped < 0.5, stopped
+
+
 # --------------------------------------------------------------------------------------------
 # Malformed requests: each gets its 4xx JSON error, and the server keeps serving.
 

@@ -316,18 +316,29 @@ async def _events(job: Job) -> AsyncIterator[Text | Done]:
             return
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client closes the connection. The body has been read, so the next
+    ASGI message is the disconnect: waiting for it notices at once, where polling
+    `is_disconnected` between events never ran while the events kept coming (a non-streamed
+    request generated to its end after its client left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _collect(request: Request, job: Job) -> tuple[list[str], list[TokenLogprob], Done]:
-    """Waits for a non-streaming job, cancelling it if the client disconnects meanwhile."""
+    """Waits for a non-streaming job, cancelling it as soon as the client disconnects (the
+    worker stops before its next token)."""
     texts: list[str] = []
     logprobs: list[TokenLogprob] = []
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise APIError(499, "the client closed the request") from None
-                continue
+            event = asyncio.ensure_future(job.events.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                raise APIError(499, "the client closed the request")
+            event = event.result()
             if isinstance(event, Failed):
                 raise event.error
             if isinstance(event, Done):
@@ -337,6 +348,8 @@ async def _collect(request: Request, job: Job) -> tuple[list[str], list[TokenLog
     except BaseException:  # a vanished client, a server shutting down: free the worker
         job.cancel()
         raise
+    finally:
+        gone.cancel()
 
 
 def _stream(chunks: AsyncIterator[dict], job: Job) -> StreamingResponse:
