@@ -587,3 +587,46 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0():
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+def test_slow_clients_are_closed_and_do_not_stall_others(model, capfd):
+    """80 connections that send a request head a byte at a time are closed once the head
+    deadline passes (1 s here; 10 s by default), a body that does not arrive gets a 408, the
+    log stays quiet, and normal requests answer meanwhile in well under a second."""
+    import socket
+
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    with ServerThread(model, backend, MODEL, head_timeout_s=1.0, body_timeout_s=1.0) as running, \
+            httpx.Client(timeout=TIMEOUT) as http:
+        host, port = running.url.split("//")[1].split(":")
+        slow = [socket.create_connection((host, int(port))) for _ in range(80)]
+        for raw in slow:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHo")
+        body = socket.create_connection((host, int(port)))
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{")
+        started, latencies = time.monotonic(), []
+        while time.monotonic() - started < 2.5:
+            t = time.monotonic()
+            assert http.post(running.url + "/v1/completions", json=GOOD).status_code == 200
+            latencies.append(time.monotonic() - t)
+            for raw in slow[:10]:  # a byte now and then does not extend the deadline
+                try:
+                    raw.sendall(b"s")
+                except OSError:
+                    pass
+        closed = 0
+        for raw in slow:
+            raw.settimeout(1.0)
+            try:
+                closed += raw.recv(100) == b""
+            except OSError:
+                pass
+            raw.close()
+        body.settimeout(1.0)
+        assert body.recv(100).startswith(b"HTTP/1.1 408")
+        body.close()
+    assert closed == 80
+    assert max(latencies) < 1.0, latencies
+    assert len(capfd.readouterr().err.splitlines()) <= 80

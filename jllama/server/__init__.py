@@ -54,16 +54,21 @@ def make_worker(session, parallel: int = 1, max_waiting: int = 256):
     return SlotEngine(session, parallel=parallel, max_waiting=max_waiting)
 
 
-def make_server(engine, model_id: str, sock: socket.socket, **app_options):
-    """A `uvicorn.Server` for `engine`'s model on the bound socket `sock` (not started)."""
+def make_server(engine, model_id: str, sock: socket.socket, head_timeout_s: float | None = None,
+                **app_options):
+    """A `uvicorn.Server` for `engine`'s model on the bound socket `sock` (not started).
+    head_timeout_s: seconds a client has to send a request's head (None: HEAD_TIMEOUT_S of
+    `jllama.server.protocol`); app_options: `create_app`'s (max_body_bytes, body_timeout_s)."""
     import uvicorn
 
     from jllama.server.app import create_app
+    from jllama.server.protocol import HEAD_TIMEOUT_S, timed_protocol
 
     app = create_app(engine, model_id, **app_options)
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
         h11_max_incomplete_event_size=64 * 1024,
+        http=timed_protocol(HEAD_TIMEOUT_S if head_timeout_s is None else head_timeout_s),
     )
 
     class Server(uvicorn.Server):
@@ -93,7 +98,8 @@ class ServerThread:
       parallel: requests generated at once (`make_worker`).
       model_id: the name clients use as `model`.
       host, port: where to listen (port 0: a free port; see `url`).
-      **app_options: for `create_app` (e.g. max_body_bytes).
+      **app_options: for `make_server` and `create_app` (max_body_bytes, head_timeout_s,
+        body_timeout_s).
 
     Usage:
       with ServerThread(model, backend, "stories260K") as server:

@@ -47,10 +47,23 @@ def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes. An oversized body is still read (up to a hard cap) and
-    dropped before the 413 goes out, so the client, still sending, sees the answer rather than
-    a reset connection."""
+BODY_TIMEOUT_S = 30.0
+"""Seconds a client has to send a request's whole body (a slow sender gets a 408)."""
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
+    """The body, at most `limit` bytes, within `timeout_s` seconds (else a 408). An oversized
+    body is still read (up to a hard cap) and dropped before the 413 goes out, so the client,
+    still sending, sees the answer rather than a reset connection."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body_now(request, limit)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="request_timeout") from None
+
+
+async def _read_body_now(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     too_big = declared is not None and declared.isdigit() and int(declared) > limit
     chunks, total = [], 0
@@ -74,13 +87,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI application serving `engine`'s model under the name `model_id`.
 
     Args:
       engine: the model worker (`jllama.server.engine.Engine`).
       model_id: the name clients give as `model` (others get 404).
       max_body_bytes: the largest request body accepted, bytes (larger: 413).
+      body_timeout_s: seconds a request's body may take to arrive (slower: 408).
     """
     model = engine.model
     tokenizer = model.tokenizer
@@ -210,7 +225,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await _read_body(request, max_body_bytes), CompletionRequest)
+        body = parse_body(await _read_body(request, max_body_bytes, body_timeout_s), CompletionRequest)
         check_model(body.model)
         sampler = body.sampler_config(tokenizer.vocab_size)
         ids = await run_in_threadpool(encode_prompt, body.prompt)
@@ -250,7 +265,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(await _read_body(request, max_body_bytes), ChatCompletionRequest)
+        body = parse_body(await _read_body(request, max_body_bytes, body_timeout_s), ChatCompletionRequest)
         check_model(body.model)
         if template is None:
             raise APIError(

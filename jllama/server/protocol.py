@@ -1,0 +1,53 @@
+"""uvicorn's HTTP/1.1 protocol with a deadline for each request's head: a client that opens a
+connection (or keeps one alive after a response) and sends its request line and headers a byte
+at a time (slowloris) is closed once HEAD_TIMEOUT_S pass without a whole head, silently (one
+line each would let such clients flood the log). uvicorn times out only idle keep-alive
+connections, and not once a byte of the next request came."""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEAD_TIMEOUT_S = 10.0
+"""Seconds a client has to send a whole request head (request line and headers)."""
+
+
+def timed_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[H11Protocol]:
+    """An `H11Protocol` class closing connections whose request head takes longer than
+    `head_timeout_s` seconds (from the connection, or from the previous response)."""
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._timed_cycle = None
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self.cycle is not self._timed_cycle:
+                self._timed_cycle = self.cycle  # a new request's head is complete
+                self._stop_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # the next request's head, on keep-alive
+                self._stop_timer()
+                self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_timer()
+            super().connection_lost(exc)
+
+        def _stop_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.cycle is self._timed_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return TimedH11Protocol

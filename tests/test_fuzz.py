@@ -1,0 +1,93 @@
+"""The fuzz harness of the readers (bench/fuzz.py, issue 21): a short deterministic run in CI.
+
+One run of `bench/fuzz.py` with a fixed seed: each seed as it is, every crafted header lie once
+(GGUF counts, lengths, offsets, types and dims; llama2.c headers; tokenizer.bin lengths;
+tokenizer.json ids; deep and huge JSON; non-finite hyperparameters), then random damage up to
+CASES inputs, each through the `jllama` command line in a forked child under 10 s and 1 GB
+of peak RSS. None may fail. The harness runs in a process of its own: it forks, which is
+safe only in a process where JAX has not started a backend (other tests here start them).
+A long run by hand: `.venv/bin/python bench/fuzz.py --cases=2000 --out=fuzz-failures`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+FUZZ = BENCH / "fuzz.py"
+SEED = 21
+CASES = 300
+
+
+def run_fuzz(*flags: str, timeout: float = 240) -> tuple[list[dict], dict]:
+    """bench/fuzz.py's JSON lines: (the cases' lines, the summary line)."""
+    proc = subprocess.run([sys.executable, str(FUZZ), *flags], capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines and lines[-1].get("summary"), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return lines[:-1], lines[-1]
+
+
+@pytest.fixture(scope="module")
+def ci_run():
+    return run_fuzz(f"--cases={CASES}", f"--seed={SEED}", "--jobs=2")
+
+
+def test_no_input_fails(ci_run):
+    results, summary = ci_run
+    failures = [r for r in results if r["outcome"] == "failure"]
+    assert not failures, f"{len(failures)} of {summary['cases']} inputs failed:\n" + "\n".join(
+        f"  {r['kind']} {r['mutation']}: {r['reason']} (exit {r['exit']}, {r['seconds']} s, "
+        f"{r['peak_rss_mb']} MB; {r['stderr'][:200]})" for r in failures)
+
+
+def test_the_run_covers_every_reader_and_lie(ci_run):
+    results, summary = ci_run
+    assert summary["cases"] == CASES and summary["limits"] == {"seconds": 10.0, "rss_mb": 1024}
+    assert set(summary["counts"]) == {"gguf", "llama2c", "tokenizer_bin", "hf", "all"}
+    seeds = [r for r in results if r["mutation"] == "seed"]
+    assert len(seeds) == 4 and all(r["outcome"] == "ran" for r in seeds), seeds
+    names = {r["mutation"] for r in results}
+    for lie in ("gguf.array_count[tokenizer.ggml.tokens]=2^40", "gguf.tensor_offset[",
+                "gguf.tensor_overlap[all tensors at offset 0]", "gguf.tensor_misaligned[",
+                "gguf.tensor_type[", "gguf.float[llama.rope.freq_base]=inf",
+                "llama2c.header[dim]=-1", "tokenizer_json.vocab_id=10^12",
+                "tokenizer_json.added_token_id=10^9", "json.deep[config.json",
+                "json.huge_int[tokenizer.json", "json.deep[safetensors header",
+                "json.value[config.json rms_norm_eps]=1e999", "tokenizer_json.no_byte_tokens"):
+        assert any(name.startswith(lie) for name in names), lie
+    random = [r for r in results if r["expect"] == "any"]
+    assert len(random) > 50
+    assert all(r["reason"] for r in results if r["outcome"] == "ran")
+
+
+def test_the_plan_is_deterministic(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import fuzz
+
+    def built(folder):
+        """Each case's kind, seed, mutation name, target and bytes (hashed)."""
+        seeds = fuzz.make_seeds(folder)
+        out = []
+        for case in fuzz.plan(seeds, 120, SEED, fuzz.KINDS):
+            m = case.make() if case.make else None
+            out.append((case.kind, case.seed) + ((m.name, m.target, hash(m.data)) if m else ()))
+        return out
+
+    assert built(tmp_path / "a") == built(tmp_path / "b")
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--time_limit=0.001"], "timeout"),
+    (["--rss_limit=20"], "peak RSS"),
+])
+def test_the_limits_are_enforced(flags, reason):
+    # The seed itself, under limits it cannot meet: the harness must call it a failure.
+    results, summary = run_fuzz("--cases=1", "--kinds=gguf", "--seed=0", *flags, timeout=120)
+    assert [r["outcome"] for r in results] == ["failure"]
+    assert results[0]["reason"].startswith(reason), results[0]
