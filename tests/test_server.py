@@ -630,3 +630,24 @@ def test_slow_clients_are_closed_and_do_not_stall_others(model, capfd):
     assert closed == 80
     assert max(latencies) < 1.0, latencies
     assert len(capfd.readouterr().err.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x00\xffGARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+])
+def test_bytes_that_are_not_http_get_the_error_object(server, raw):
+    """h11 cannot parse these: the 400 carries OpenAI's error object (it was plain text)."""
+    import socket
+
+    host, port = server.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(raw)
+        conn.settimeout(5)
+        reply = b""
+        while chunk := conn.recv(4096):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert json.loads(body)["error"]["code"] == "bad_http_request"
+    assert httpx.post(server.url + "/v1/completions", json=GOOD, timeout=TIMEOUT).status_code == 200

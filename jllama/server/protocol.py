@@ -1,14 +1,23 @@
-"""uvicorn's HTTP/1.1 protocol with a deadline for each request's head: a client that opens a
-connection (or keeps one alive after a response) and sends its request line and headers a byte
-at a time (slowloris) is closed once HEAD_TIMEOUT_S pass without a whole head, silently (one
-line each would let such clients flood the log). uvicorn times out only idle keep-alive
-connections, and not once a byte of the next request came."""
+"""uvicorn's HTTP/1.1 protocol with a deadline for each request's head, and OpenAI's error
+object for a request that is not HTTP.
+
+A client that opens a connection (or keeps one alive after a response) and sends its request
+line and headers a byte at a time (slowloris) is closed once HEAD_TIMEOUT_S pass without a
+whole head, silently (one line each would let such clients flood the log). uvicorn times out
+only idle keep-alive connections, and not once a byte of the next request came.
+
+Bytes h11 cannot parse as a request (garbage, `Content-Length: -5`) get uvicorn's 400 with
+`{"error": {...}}` as its body instead of plain text, as every other refusal of the server."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from jllama.server.errors import APIError
 
 HEAD_TIMEOUT_S = 10.0
 """Seconds a client has to send a whole request head (request line and headers)."""
@@ -44,6 +53,16 @@ def timed_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[H11Protocol]:
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(APIError(400, f"not an HTTP request this server can read: {msg}",
+                                       code="bad_http_request").body()).encode()
+            head = h11.Response(status_code=400, reason=b"Bad Request", headers=[
+                (b"content-type", b"application/json"), (b"content-length", str(len(body))),
+                (b"connection", b"close")])
+            for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def _head_late(self) -> None:
             self._head_timer = None
