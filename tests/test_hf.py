@@ -417,7 +417,7 @@ ERRORS = {
         "no model.safetensors or model.safetensors.index.json",
     ),
     "no config": (
-        "llama2", lambda f: (f / "config.json").unlink(), "config.json: no such file",
+        "llama2", lambda f: (f / "config.json").unlink(), "not a model folder: no config.json",
     ),
 }
 

@@ -187,6 +187,10 @@ def read_hf(
     if not folder.is_dir():
         what = "no such folder" if not folder.exists() else "not a folder"
         raise CheckpointError(f"{source}: {what} (a Hugging Face model is a folder)")
+    if not (folder / CONFIG_FILE).exists():
+        raise CheckpointError(
+            f"{source}: not a model folder: no {CONFIG_FILE} (a Hugging Face model folder holds "
+            f"{CONFIG_FILE} and its *.safetensors; a llama2.c or GGUF model is one file)")
     cfg = read_json(folder / CONFIG_FILE, "checkpoint config", CheckpointError)
     config = config_from_hf(cfg, source, seq_len=seq_len)
     trained_context = context_length(cfg, source)
