@@ -84,3 +84,16 @@ def test_token_ids_far_beyond_the_vocabulary(folder, where, huge):
         data["added_tokens"].append({"id": huge, "content": "<zzz>", "special": True})
     (folder / "tokenizer.json").write_text(json.dumps(data))
     _assert_one_line_error(_generate(folder), "tokenizer.json", f"token id {huge}")
+
+
+def test_a_byte_level_vocabulary_without_a_byte_token(folder):
+    """The test model's tokenizer.json is byte-level BPE (all 256 byte characters are tokens);
+    with the token for "é"'s second byte 0xa9 ("©") gone, a prompt holding "é" would lose it
+    silently: refused, naming the byte."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    assert "©" in data["model"]["vocab"]
+    del data["model"]["vocab"]["©"]
+    data["model"]["merges"] = [m for m in data["model"]["merges"]
+                               if "©" not in (m if isinstance(m, str) else " ".join(m))]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    _assert_one_line_error(_generate(folder), "tokenizer.json", "no token for byte 0xa9")

@@ -27,6 +27,7 @@ from typing import Any
 
 from jllama.errors import TokenizerError
 from jllama.tokenizers.bpe import (
+    BYTE_TO_UNICODE,
     CONTROL,
     NORMAL,
     PRE_TOKENIZERS,
@@ -152,6 +153,15 @@ def byte_level_tokenizer(p: Parsed) -> ByteLevelBPE:
             "with a normalizer is not supported"
         )
     pre, pattern = _recognise_pre(p.data.get("pre_tokenizer"), p.source)
+    # Every text is bytes first, each byte one of these 256 characters: without a token for
+    # one, the text holding that byte would lose it silently.
+    missing = [b for b in range(256) if BYTE_TO_UNICODE[b] not in p.ids]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise TokenizerError(
+            f"{p.source}: no token for byte 0x{missing[0]:02x} ({BYTE_TO_UNICODE[missing[0]]!r})"
+            f"{more}: a byte-level vocabulary needs all 256, or text with those bytes is lost"
+        )
     types = [NORMAL if t is not None else UNUSED for t in p.tokens]
     for token in p.specials:
         types[token.id] = CONTROL if token.special else USER_DEFINED
