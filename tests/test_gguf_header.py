@@ -97,9 +97,13 @@ def nested_array_file(path):
     return path
 
 
-def test_nested_arrays_are_flattened_as_ggufreader_does(tmp_path):
-    header = assert_same(nested_array_file(tmp_path / "nested.gguf"))
-    assert header.metadata["nested"] == [1, 2, 3]
+def test_nested_arrays_are_refused_as_llama_cpp_does(tmp_path):
+    """GGUFReader flattens an array of arrays ([1, 2, 3] here); ggml's gguf.cpp refuses it, and
+    so does jllama (a token list nested in an array passed for a flat one)."""
+    path = nested_array_file(tmp_path / "nested.gguf")
+    assert reference(path)[0]["nested"] == [1, 2, 3]
+    with pytest.raises(ValueError, match="metadata key 'nested': an array of arrays"):
+        read_header(path)
 
 
 @pytest.mark.parametrize("cut, needle", [

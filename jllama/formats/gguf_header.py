@@ -73,8 +73,8 @@ class GGUFHeader:
 
     Attributes:
       version: 2 or 3.
-      metadata: every key to its value: int, float, bool, str, or a list of them for an array
-        (nested arrays flattened), as `gguf.ReaderField.contents()` gives.
+      metadata: every key to its value: int, float, bool, str, or a list of them for an array,
+        as `gguf.ReaderField.contents()` gives (arrays of arrays are refused).
       tensors: `HeaderTensor`s in the file's order.
       alignment: of the data section, bytes.
       data_offset: where the data section starts, bytes.
@@ -161,8 +161,10 @@ class _Cursor:
                 return self.strings(count, what)
             if item_type in _SCALARS:
                 return self.numbers(item_type, count, what)
-            if item_type == _ARRAY:  # flattened, as gguf.ReaderField.contents() does
-                return [v for _ in range(count) for v in self.value(_ARRAY, what)]
+            if item_type == _ARRAY:
+                # ggml's gguf.cpp refuses arrays of arrays (gguf-py's reader flattens them): no
+                # writer makes them, and flattened a nested token list passed for a flat one.
+                raise ValueError(f"{what}: an array of arrays (llama.cpp refuses them too)")
             raise ValueError(f"{what}: unknown array element type {item_type}")
         raise ValueError(f"{what}: unknown value type {value_type}")
 
@@ -173,9 +175,10 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     Raises:
       ValueError: not GGUF, a version other than 2 or 3, a header or tensor that runs past the
         end of the file, a string that is not UTF-8, an unknown value or tensor type, a
-        duplicate key or tensor name, a bad `general.alignment`, or a tensor that does not
-        begin where the one before it ends (padded to the alignment: overlapping, misplaced or
-        misaligned tensors, a type declared over another type's bytes); one line.
+        duplicate key or tensor name, an array of arrays, a bad `general.alignment`, or a
+        tensor that does not begin where the one before it ends (padded to the alignment:
+        overlapping, misplaced or misaligned tensors, a type declared over another type's
+        bytes); one line.
       OSError: the file cannot be opened or mapped.
     """
     mapped = np.memmap(path, mode="r")
