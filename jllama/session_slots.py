@@ -42,18 +42,26 @@ def draw_batch(drawn: Sequence[tuple[Slot, np.ndarray]]) -> None:
     (row, token), or None where the row is not finite (the generation's own check then
     raises). A coin is taken from a sampler's generator only where it draws (temperature > 0),
     as `Sampler.sample` takes it. The slots share one Session, so one vocabulary."""
+    from jllama.backends.jax_batch import batch_size
+    from jllama.graphs.batch import BATCH_SIZES
     from jllama.kernels.batched import sample_batch
 
     vocabulary = drawn[0][0].draw[1]
-    settings = np.zeros((3, len(drawn)), np.float32)  # temperature, top_p, coin
-    for b, (slot, _) in enumerate(drawn):
+    width = drawn[0][1][:vocabulary].shape[0]
+    # Rows padded to the batched step's sizes (more than 32: to a multiple of 32), so the
+    # program is not compiled again for every number of slots drawing; padding rows are not
+    # drawn (count).
+    n = len(drawn)
+    size = batch_size(n) if n <= BATCH_SIZES[-1] else -(-n // BATCH_SIZES[-1]) * BATCH_SIZES[-1]
+    settings = np.zeros((3, size), np.float32)  # temperature, top_p, coin
+    block = np.zeros((size, width), np.float32)
+    for b, (slot, row) in enumerate(drawn):
         sampler = slot.draw[0]
         settings[0, b], settings[1, b] = sampler.runc_settings
         if settings[0, b] != 0:
             settings[2, b] = sampler.rng.random_f32()
-    block = np.stack([row[:vocabulary] for _, row in drawn])
-    tokens, finite = sample_batch(block, settings[0], settings[1], settings[2],
-                                  np.int32(len(drawn)))
+        block[b] = row[:vocabulary]
+    tokens, finite = sample_batch(block, settings[0], settings[1], settings[2], np.int32(n))
     for (slot, row), token, ok in zip(drawn, np.asarray(tokens), np.asarray(finite)):
         slot.pick = (row, int(token)) if ok else None
 

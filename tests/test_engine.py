@@ -171,6 +171,15 @@ def test_no_program_compiles_as_slots_fill_and_empty(session):
     assert compiled == []
 
 
+def test_no_program_compiles_for_fewer_slots_in_the_same_batch_size(session):
+    """7 slots after 8: the batched step and the batched draw run in the size-8 programs
+    (the draw compiled again for every number of drawing slots)."""
+    complete_all(session, _requests(session, n=8, max_tokens=30), n_slots=8)
+    with _compiles() as compiled:
+        complete_all(session, _requests(session, n=7, max_tokens=30), n_slots=7)
+    assert compiled == []
+
+
 def test_a_long_prompt_admitted_mid_stream_pauses_the_others_one_chunk_at_a_time(session):
     tok = session.tokenizer
     long_prompt = tok.encode(" ".join(["Once upon a time, there was a little girl."] * 16))
