@@ -53,8 +53,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default=None, help="jllama serve --dtype")
     args = parser.parse_args()
-    args.clients = [1]
-    process, url, model = start_server(args, parallel=4)
+    process, url, model = start_server(args.checkpoint, args.seq_len, args.dtype, parallel=4,
+                                       max_waiting=10)
     try:
         print(json.dumps({"meta": True, "checkpoint": args.checkpoint or "stories260K",
                           "cpus": os.cpu_count(), "load1": os.getloadavg()[0],

@@ -35,17 +35,19 @@ from run import machine_facts  # bench/ is the script's folder
 PROMPTS = ["Once upon a time", "Tom had a dog", "The sun was hot", "Lily saw a bird"]
 
 
-def start_server(args, parallel: int = 1) -> tuple[subprocess.Popen, str, str]:
+def start_server(checkpoint: str | None, seq_len: int = 0, dtype: str | None = None,
+                 parallel: int = 1, max_waiting: int = 256) -> tuple[subprocess.Popen, str, str]:
+    """`jllama serve --port=0` with these flags (None / 0: its defaults), its start-up lines
+    echoed to stderr; (process, base URL ending in /v1, the model's name) once it serves."""
     script = Path(sys.executable).parent / "jllama"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "jllama"]
-    command += ["serve", "--port=0", f"--max_waiting={max(args.clients) * 2 + 8}",
-                f"--parallel={parallel}"]
-    if args.checkpoint:
-        command.append(f"--checkpoint={args.checkpoint}")
-    if args.seq_len:
-        command.append(f"--seq_len={args.seq_len}")
-    if args.dtype:
-        command.append(f"--dtype={args.dtype}")
+    command += ["serve", "--port=0", f"--max_waiting={max_waiting}", f"--parallel={parallel}"]
+    if checkpoint:
+        command.append(f"--checkpoint={checkpoint}")
+    if seq_len:
+        command.append(f"--seq_len={seq_len}")
+    if dtype:
+        command.append(f"--dtype={dtype}")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -138,7 +140,8 @@ def main() -> None:
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     for parallel in [int(p) for p in args.parallel.split(",")]:
-        process, url, model = start_server(args, parallel)
+        process, url, model = start_server(args.checkpoint, args.seq_len, args.dtype, parallel,
+                                           max_waiting=max(args.clients) * 2 + 8)
         try:
             meta = {"meta": True, "checkpoint": args.checkpoint or "stories260K", "url": url,
                     "parallel": parallel, "cpus": os.cpu_count(), "load1": os.getloadavg()[0],

@@ -35,23 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
-
-
-def start(args) -> tuple[subprocess.Popen, str]:
-    """`jllama serve` on a free port; (process, base URL ending in /v1)."""
-    script = Path(sys.executable).parent / "jllama"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "jllama"]
-    command += ["serve", "--port=0", f"--parallel={args.parallel}",
-                f"--max_waiting={args.max_waiting}"]
-    if args.checkpoint:
-        command.append(f"--checkpoint={args.checkpoint}")
-    if args.seq_len:
-        command.append(f"--seq_len={args.seq_len}")
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    for line in process.stderr:
-        if " at http" in line:
-            return process, line.split(" at ")[1].split()[0]
-    raise SystemExit(f"server_faults: the server did not start (exit {process.wait()})")
+from serve_load import start_server  # bench/ is the script's folder
 
 
 def rss_mb(pid: int) -> float:
@@ -204,8 +188,8 @@ def main() -> int:
                     help="how long the slow client keeps sending (the server's deadline: 10 s)")
     ap.add_argument("--rss_slack_mb", type=float, default=20.0)
     args = ap.parse_args()
-    process, url = start(args)
-    model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
+    process, url, model = start_server(args.checkpoint, args.seq_len, parallel=args.parallel,
+                                       max_waiting=args.max_waiting)
     print(json.dumps({"meta": True, "checkpoint": args.checkpoint or "stories260K",
                       "parallel": args.parallel, "max_waiting": args.max_waiting,
                       "cpus": os.cpu_count()}), flush=True)
