@@ -1,0 +1,110 @@
+"""What a constrained generation must produce: a `Grammar` (a JSON schema, any JSON value, a
+regular expression, a Lark or a GBNF grammar) checked and compiled by llguidance.
+
+llguidance (https://github.com/guidance-ai/llguidance, the library llama.cpp's `--grammar` and
+vLLM's guided decoding use) compiles each kind into its own grammar text; `Grammar` keeps that
+text with the kind and the source as given, so a bad schema or grammar fails here, once, with one
+line, before any model runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import llguidance
+
+from jllama.errors import JllamaError
+
+GRAMMAR_KINDS = ("json_schema", "json", "regex", "lark", "gbnf")
+"""json_schema: a JSON Schema (llguidance's subset, docs/json_schema.md); json: any JSON value;
+regex: a Rust `regex` pattern the whole output matches; lark: llguidance's Lark syntax
+(docs/syntax.md); gbnf: llama.cpp's GBNF (grammars/README.md), converted to Lark by llguidance."""
+
+
+class GrammarError(JllamaError, ValueError):
+    """A schema, pattern or grammar llguidance refuses; the message is one line."""
+
+
+def _one_line(message: str) -> str:
+    """llguidance's messages quote the source over several lines: one line of its parts."""
+    return " | ".join(part.strip() for part in message.strip().splitlines() if part.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+    """A checked constraint.
+
+    Attributes:
+        kind: one of `GRAMMAR_KINDS`.
+        source: the schema (as compact JSON text), pattern or grammar text as given.
+        llguidance: the grammar text `llguidance.LLMatcher` takes.
+    """
+
+    kind: str
+    source: str
+    llguidance: str
+
+    @classmethod
+    def of(cls, kind: str, text: str | dict | bool, *, lenient: bool = False) -> Grammar:
+        """The grammar of `kind` from `text` (for json_schema also a dict or a bool schema;
+        for json, `text` is ignored).
+
+        Args:
+            lenient: json_schema only: keywords llguidance does not implement are ignored
+                rather than refused (OpenAI's non-strict schemas).
+
+        Raises:
+            GrammarError: an unknown kind, a schema that is not JSON or not a schema, a bad
+                pattern or grammar (llguidance's message, on one line).
+        """
+        if kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(GRAMMAR_KINDS)}")
+        if kind == "json":
+            return cls._checked(kind, "{}", llguidance.LLMatcher.grammar_from_json_schema("{}"))
+        if kind == "json_schema":
+            return cls.json_schema(text, lenient=lenient)
+        if not isinstance(text, str):
+            raise GrammarError(f"a {kind} must be text, not {type(text).__name__}")
+        if not text.strip():
+            raise GrammarError(f"the {kind} is empty")
+        if kind == "regex":
+            compiled = llguidance.LLMatcher.grammar_from_regex(text)
+        elif kind == "lark":
+            compiled = llguidance.LLMatcher.grammar_from_lark(text)
+        else:
+            try:
+                compiled = llguidance.grammar_from("gbnf", text)
+            except ValueError as e:
+                raise GrammarError(_one_line(str(e))) from None
+        return cls._checked(kind, text, compiled)
+
+    @classmethod
+    def json_schema(cls, schema: str | dict | bool, *, lenient: bool = False) -> Grammar:
+        """A JSON schema (a dict, a bool, or its JSON text); see `of`."""
+        if isinstance(schema, str):
+            from jllama.files import parse_json
+
+            try:
+                schema = parse_json(schema)
+            except ValueError as e:
+                raise GrammarError(f"the JSON schema is not JSON: {_one_line(str(e))}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("a JSON schema must be an object or a boolean, not "
+                               f"{type(schema).__name__}")
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        options: dict[str, Any] = {"lenient": True} if lenient else {}
+        try:
+            compiled = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options)
+        except ValueError as e:
+            raise GrammarError(f"the JSON schema: {_one_line(str(e))}") from None
+        return cls._checked("json_schema", text, compiled)
+
+    @classmethod
+    def _checked(cls, kind: str, source: str, compiled: str) -> Grammar:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled)
+        if failed:
+            what = "JSON schema" if kind == "json_schema" else kind
+            raise GrammarError(f"the {what}: {_one_line(messages[0])}")
+        return cls(kind, source, compiled)
