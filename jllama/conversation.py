@@ -102,13 +102,15 @@ class Conversation:
         )
         return self.tokenizer.encode_segments(segments, bos=False)
 
-    def say(self, text: str, sample, max_tokens: int = 0) -> Iterator[Token]:
+    def say(self, text: str, sample, max_tokens: int = 0, grammar=None) -> Iterator[Token]:
         """Add a user message and generate the assistant's reply, token by token.
 
         Args:
           text: the user's message.
           sample: a `jllama.sampling.Sampler` (or what `Session.generate` takes).
           max_tokens: the most tokens the reply may have; < 1 = until the context is full.
+          grammar: a `jllama.constrain.Grammar` the reply must match (`Session.generate`'s
+            grammar: the reply ends, stop_reason "stop", once it is complete); None: free.
 
         Yields:
           the reply's `Token`s as they are sampled (prompt tokens are not yielded).
@@ -136,7 +138,7 @@ class Conversation:
         fed = len(ids) - reused
         steps = room if max_tokens < 1 else min(room, fed + max_tokens - 1)
         generation = self.session.generate(ids[reused:], sample, steps, start_pos=reused,
-                                           context_ids=ids[:reused])
+                                           context_ids=ids[:reused], grammar=grammar)
         self._generation_count = self.session.generations
         self.messages = messages
         self.cached_ids = ids[:reused]

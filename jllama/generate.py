@@ -178,6 +178,9 @@ class Generation:
         feeds through `forward`, so a caller may compute those logits ahead (a batched step
         over several generations, `jllama.engine`); None when the next step calls no forward
         (a prefill, the device loop, the end)."""
+        self.constraint = None
+        """The `jllama.constrain.ConstrainedSampler` the tokens are sampled through (set by
+        `Session.generate` for a generation with a grammar: its mask time and count), or None."""
         self._superseded: str | None = None
         self._tokens = self._run(forward, sample, steps, frozenset(stop_ids), clock)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from jllama.backends import prepared_backend
 from jllama.backends.base import Backend, CompilePlanning, Described, Prefill, PrefillLogits
@@ -34,6 +35,9 @@ from jllama.generate import Generation
 from jllama.sampling import Sampler, SamplerConfig, restrict_to_vocabulary
 from jllama.session_slots import Slot, SlotsMixin
 from jllama.streaming import Completion, LogitsRecorder, Text
+
+if TYPE_CHECKING:  # llguidance is imported where a grammar is used (it costs ~70 ms)
+    from jllama.constrain import Grammar
 
 PREFILL_MODES = ("chunked", "token")
 """chunked: a prompt goes through the backend's batched `prefill` where it has one; token: one
@@ -154,7 +158,7 @@ class Session(SlotsMixin):
                  start_pos: int = 0, context_ids: Sequence[int] = (),
                  started_at: float | None = None, host_logits: bool = False,
                  sample: Callable[..., int] | None = None, slot: Slot | None = None,
-                 ignore_eos: bool = False) -> Generation:
+                 ignore_eos: bool = False, grammar: Grammar | None = None) -> Generation:
         """A `Generation` of `prompt_ids` from `start_pos`, its programs compiled.
 
         Args:
@@ -175,6 +179,12 @@ class Session(SlotsMixin):
             backend's own.
           ignore_eos: do not stop at the tokenizer's end-of-generation ids (benchmarks that
             want a fixed length, as llama.cpp's and vLLM's ignore_eos).
+          grammar: a `jllama.constrain.Grammar` every generated token must keep to: a
+            `ConstrainedSampler` masks the logits before `sample` sees them (log-probs are
+            then over the allowed tokens) and the generation ends with the tokenizer's
+            end-of-generation id once the grammar is complete (even with ignore_eos). It runs
+            in graph decode mode (the device loop cannot mask) and is never drawn by the
+            batched step; `generation.constraint` is the `ConstrainedSampler` (mask time).
 
         One sequence owns a KV cache at a time: an earlier generation in the same slot that
         has not finished cannot go on once this one starts (iterating it raises RuntimeError).
@@ -206,6 +216,15 @@ class Session(SlotsMixin):
                                   "slot): it owns it now (finish one generation before the next)")
         self._use(slot)
         stop_ids = () if ignore_eos else tuple(self.tokenizer.stop_ids)
+        vocabulary = None
+        if grammar is not None:
+            from jllama.constrain import ConstrainedSampler, vocabulary_for
+
+            # The mask is applied on the host, to every token's logits.
+            host_logits = True
+            vocabulary = vocabulary_for(self.tokenizer, self.config.vocab_size)
+            if vocabulary.end_id not in stop_ids:
+                stop_ids += (vocabulary.end_id,)  # a complete grammar ends the generation
         loop = None
         if self.decode_mode(sampler, host_logits) == "loop":
             loop = LoopDecoder(self.backend, sampler, stop_ids)
@@ -224,11 +243,15 @@ class Session(SlotsMixin):
                                      chunked=prefill is not None, start=start_pos)
         drawn_by = sampler if sample is None and isinstance(sampler, Sampler) else None
         sample = sample if sample is not None else sampler
-        vocabulary = None
+        n_tokens = None
         if self.padded:
-            vocabulary = self.tokenizer.vocab_size
-            sample = restrict_to_vocabulary(sample, vocabulary)
-        sample = self._slot_sample(slot, drawn_by, sample, vocabulary)
+            n_tokens = self.tokenizer.vocab_size
+            sample = restrict_to_vocabulary(sample, n_tokens)
+        constraint = None
+        if grammar is not None:
+            constraint = sample = ConstrainedSampler(sample, grammar, vocabulary)
+            drawn_by = None  # a batched draw would not see the mask
+        sample = self._slot_sample(slot, drawn_by, sample, n_tokens)
         slot.generations += 1
         slot.active = Generation(
             self._slot_forward(slot), prompt_ids, sample, steps,
@@ -237,6 +260,7 @@ class Session(SlotsMixin):
             decode_loop=None if loop is None else self._bound(slot, loop),
             context_ids=context_ids, started_at=started_at,
         )
+        slot.active.constraint = constraint
         return slot.active
 
     def encode(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:
@@ -258,7 +282,8 @@ class Session(SlotsMixin):
                  *, max_tokens: int | None = None, stop: Sequence[str] = (),
                  logprobs: int | None = None, cancelled: Callable[[], bool] | None = None,
                  slot: Slot | None = None, start_pos: int = 0, ignore_eos: bool = False,
-                 each_token: bool = False, **sampling) -> Completion:
+                 each_token: bool = False, grammar: Grammar | None = None,
+                 **sampling) -> Completion:
         """A raw completion of `prompt` as streamed text (`jllama.streaming.Completion`).
 
         Args:
@@ -272,6 +297,8 @@ class Session(SlotsMixin):
             before it kept in the slot's cache: a prefix shared with what it held).
           each_token: a piece for every token, empty when it releases no text yet
           (`Completion`'s each_token).
+          grammar: a `jllama.constrain.Grammar` the generated text must match (`generate`);
+            finish_reason is "stop" once it is complete.
 
         Returns:
           a `Completion`: iterate it for `Text` pieces; then its `finish_reason` ("stop" for
@@ -296,7 +323,7 @@ class Session(SlotsMixin):
         generation = self.generate(ids[start_pos:], sampler, max_tokens=max_tokens,
                                    host_logits=logprobs is not None, sample=recorder,
                                    slot=slot, start_pos=start_pos, context_ids=ids[:start_pos],
-                                   ignore_eos=ignore_eos)
+                                   ignore_eos=ignore_eos, grammar=grammar)
         return Completion(generation, self.tokenizer, stop=stop, logprobs=logprobs,
                           recorder=recorder, cancelled=cancelled, generation=generation,
                           each_token=each_token)

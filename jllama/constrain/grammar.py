@@ -23,6 +23,13 @@ regex: a Rust `regex` pattern the whole output matches; lark: llguidance's Lark 
 (docs/syntax.md); gbnf: llama.cpp's GBNF (grammars/README.md), converted to Lark by llguidance."""
 
 
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+"""The whitespace a JSON value may hold between its tokens (llguidance's whitespace_pattern,
+where a schema's "x-guidance" does not set its own): none, one space, or a newline and an
+indentation of up to 20 (llama.cpp's json.gbnf allows the same). llguidance's default is any
+run of whitespace, which a small model can fill to the end of max_tokens."""
+
+
 class GrammarError(JllamaError, ValueError):
     """A schema, pattern or grammar llguidance refuses; the message is one line."""
 
@@ -62,7 +69,9 @@ class Grammar:
         if kind not in GRAMMAR_KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(GRAMMAR_KINDS)}")
         if kind == "json":
-            return cls._checked(kind, "{}", llguidance.LLMatcher.grammar_from_json_schema("{}"))
+            compiled = llguidance.LLMatcher.grammar_from_json_schema(
+                "{}", defaults={"whitespace_pattern": JSON_WHITESPACE})
+            return cls._checked(kind, "{}", compiled)
         if kind == "json_schema":
             return cls.json_schema(text, lenient=lenient)
         if not isinstance(text, str):
@@ -96,7 +105,8 @@ class Grammar:
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         options: dict[str, Any] = {"lenient": True} if lenient else {}
         try:
-            compiled = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options)
+            compiled = llguidance.LLMatcher.grammar_from_json_schema(
+                text, defaults={"whitespace_pattern": JSON_WHITESPACE}, overrides=options)
         except ValueError as e:
             raise GrammarError(f"the JSON schema: {_one_line(str(e))}") from None
         return cls._checked("json_schema", text, compiled)

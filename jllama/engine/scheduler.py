@@ -25,10 +25,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from jllama.conversation import common_prefix_length
 from jllama.sampling import Sampler, SamplerConfig
 from jllama.streaming import Text
+
+if TYPE_CHECKING:  # llguidance is imported only where a grammar is used
+    from jllama.constrain import Grammar
 
 
 @dataclasses.dataclass
@@ -42,6 +46,8 @@ class Request:
       stop: stop strings.
       logprobs: top log-probs per token (0: the chosen token's only), None: none.
       ignore_eos: go on past the end-of-generation ids (fixed-length benchmarks).
+      grammar: a `jllama.constrain.Grammar` the generated text must match (`Session.complete`'s
+        grammar: a matcher of its own in its slot, its tokens drawn on the host), None: free.
     """
 
     prompt_ids: Sequence[int]
@@ -50,6 +56,7 @@ class Request:
     stop: Sequence[str] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    grammar: Grammar | None = None
 
 
 class Stream:
@@ -225,6 +232,7 @@ class Scheduler:
         stream._completion = self.session.complete(
             ids, r.sampler, max_tokens=r.max_tokens, stop=r.stop, logprobs=r.logprobs,
             slot=stream._slot, start_pos=stream._fed, ignore_eos=r.ignore_eos, each_token=True,
+            grammar=r.grammar,
         )
         stream._iterator = iter(stream._completion)
         return False
