@@ -1,0 +1,73 @@
+"""`response_format` (OpenAI's structured outputs) as a `jllama.constrain.Grammar`.
+
+Source: OpenAI API reference, chat completions `response_format`: `{"type": "text"}`,
+`{"type": "json_object"}` (any JSON object) or `{"type": "json_schema", "json_schema": {"name",
+"description", "schema", "strict"}}`. jllama accepts it on /v1/completions too, as llama.cpp's and
+vLLM's servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jllama.constrain import Grammar, GrammarError
+from jllama.server.errors import APIError
+
+_PARAM = "response_format"
+
+
+def response_format_grammar(value: Any) -> Grammar | None:
+    """The grammar a `response_format` asks for.
+
+    Args:
+      value: the request's `response_format` as parsed JSON (None: absent).
+
+    Returns:
+      None for absent or `{"type": "text"}`; a grammar of any JSON object for `json_object`;
+      the schema's grammar for `json_schema` (`strict: true` refuses keywords llguidance does
+      not implement; absent or false ignores them, as a non-strict schema is a hint). A
+      `json_schema` without `schema` is any JSON object.
+
+    Raises:
+      APIError (400): a malformed value or a schema llguidance refuses; `param` names the field
+        (e.g. "response_format.json_schema.schema"), the message is `GrammarError`'s.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{_PARAM}: must be an object", param=_PARAM)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_schema({"type": "object"})
+    if kind != "json_schema":
+        raise APIError(400, f"{_PARAM}.type: must be 'text', 'json_object' or 'json_schema', "
+                       f"got {kind!r}", param=f"{_PARAM}.type")
+    spec = value.get("json_schema")
+    where = f"{_PARAM}.json_schema"
+    if not isinstance(spec, dict):
+        raise APIError(400, f"{where}: must be an object with 'name' and 'schema'", param=where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise APIError(400, f"{where}.name: must be a non-empty string", param=f"{where}.name")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(400, f"{where}.strict: must be a boolean", param=f"{where}.strict")
+    schema = spec.get("schema", {"type": "object"})
+    return schema_grammar(schema, f"{where}.schema", strict=bool(strict))
+
+
+def schema_grammar(schema: Any, param: str, strict: bool) -> Grammar:
+    """`Grammar.json_schema(schema, lenient=not strict)`, a refusal as a 400 naming `param`.
+
+    Raises:
+      APIError (400): the schema is not an object or a boolean, or llguidance refuses it.
+    """
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, f"{param}: a JSON schema must be an object or a boolean",
+                       param=param)
+    try:
+        return Grammar.json_schema(schema, lenient=not strict)
+    except GrammarError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
