@@ -3,7 +3,8 @@ given), run --parallel at a time through the `jllama.engine` scheduler, a progre
 stderr.
 
 Each line of the file is a prompt: plain text, or a JSON object with "prompt" and optionally
-"max_tokens", "stop" (a string or a list) and "seed". The sampler flags apply to every prompt;
+"max_tokens", "stop" (a string or a list) and "seed". The sampler flags and the constraint
+(--json_schema, --json, --regex, --grammar) apply to every prompt;
 with --seed, prompt i (from 0) samples with --seed + i (so a line gives the same text in any
 batch), else with a seed from the clock + i; each output line says its seed.
 """
@@ -93,7 +94,7 @@ def main(options: Options) -> int:
         requests.append(Request(
             ids, dataclasses.replace(base, seed=seed),
             max_tokens=item.get("max_tokens", steps if steps > 0 else None), stop=item["stop"]
-            if "stop" in item else (),
+            if "stop" in item else (), grammar=options.text.grammar,
         ))
     n_devices = device_count(run, model.config, several=False)
     say(required_memory(model, n_devices))

@@ -49,7 +49,8 @@ def main(session, sampler, text: TextOptions) -> int:
         decoder = session.tokenizer.stream_decoder()
         try:
             with stop or contextlib.nullcontext():
-                reply = conversation.say(message, sampler, max_tokens=text.steps)
+                reply = conversation.say(message, sampler, max_tokens=text.steps,
+                                         grammar=text.grammar)
                 try:
                     for token in reply:
                         out.write(decoder.push(token.prev, token.id))

@@ -227,6 +227,20 @@ flags.DEFINE_enum(
     "text: stream the story as run.c prints it; json: one object with the ids, the text and "
     "the rates (perplexity: the PPL, its error and the rates).",
 )
+flags.DEFINE_string(
+    "json_schema", None, "Constrain the output to JSON valid under this JSON Schema: a path to a "
+    "file, or the schema itself as inline JSON (llguidance's subset of JSON Schema). One of "
+    "--json_schema, --json, --regex, --grammar.",
+)
+flags.DEFINE_bool("json", False, "Constrain the output to one JSON value (any).")
+flags.DEFINE_string(
+    "regex", None, "Constrain the output to text the whole of which matches this regular "
+    "expression (Rust regex syntax).",
+)
+flags.DEFINE_string(
+    "grammar", None, "Constrain the output to a grammar file: Lark as llguidance takes it, or "
+    "llama.cpp's GBNF (a file whose rules use ::=).",
+)
 flags.DEFINE_string("file", None, "perplexity: the UTF-8 text file to score. batch: the "
                     "prompts, one per line (text, or JSON with \"prompt\").")
 flags.DEFINE_integer(

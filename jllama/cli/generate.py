@@ -66,6 +66,9 @@ def main(options: Options) -> int:
             f"{tokenizer.vocab_size} tokens; the device sampler cannot skip the padding: use "
             "--decode=graph"
         )
+    if text.grammar is not None and run.decode == "loop" and speak:
+        say("note: --decode=loop cannot mask tokens on the device: the constrained generation "
+            "decodes in graph mode")
     if text.mode == "chat":
         return chat.main(session, sampler, text)
 
@@ -73,7 +76,8 @@ def main(options: Options) -> int:
     if len(prompt_ids) > steps and speak:
         say(f"warning: the prompt ({len(prompt_ids)} tokens) is longer than --steps={steps}; "
             "nothing will be generated")
-    generation = session.generate(prompt_ids, sampler, steps, started_at=runtime.process_start())
+    generation = session.generate(prompt_ids, sampler, steps, started_at=runtime.process_start(),
+                                  grammar=text.grammar)
     stats = generation.stats
     stats.startup_seconds = load_began - runtime.process_start()
     stats.load_seconds = read_seconds + session.place_seconds

@@ -8,11 +8,19 @@ checks), their errors renamed to the flags they came from.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jllama.cli.flags import FLAGS
 from jllama.errors import JllamaError
 from jllama.sampling import FILTERS, SamplerConfig
 from jllama.sampling.config import SamplerSettingError
+
+if TYPE_CHECKING:  # llguidance is imported only where a constraint is given
+    from jllama.constrain import Grammar
+
+CONSTRAINT_FLAGS = ("json_schema", "json", "regex", "grammar")
+"""The flags that constrain the output (`jllama.constrain.Grammar`), at most one at a time."""
 
 _LLAMA_CPP_SAMPLER_FLAGS = ("top_k", "min_p", "repeat_penalty", "presence_penalty",
                             "frequency_penalty")
@@ -66,7 +74,8 @@ class SamplingOptions:
 @dataclasses.dataclass(frozen=True)
 class TextOptions:
     """The main job: --mode, --prompt, --steps, --system_prompt, --parse_special,
-    --output_format, --verify_checkpoint, and whether to print the rates (--verbosity > 0)."""
+    --output_format, --verify_checkpoint, whether to print the rates (--verbosity > 0), and
+    the constraint of --json_schema, --json, --regex or --grammar (None: none)."""
 
     mode: str
     prompt: str
@@ -76,6 +85,7 @@ class TextOptions:
     output_format: str
     verify_checkpoint: bool
     verbose: bool
+    grammar: Grammar | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +137,8 @@ def from_flags() -> Options:
     """The parsed flags as `Options`.
 
     Raises:
-      JllamaError: a sampler setting out of range (one line naming its flag).
+      JllamaError: a sampler setting out of range, or a bad constraint (one line naming its
+        flag).
     """
     f = FLAGS
     jax_modes = tuple((name, f[name].value) for name in ("decode", "matvec")
@@ -140,7 +151,7 @@ def from_flags() -> Options:
                        jax_modes),
         sampling=_sampling(),
         text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
-                         f.output_format, f.verify_checkpoint, f.verbosity > 0),
+                         f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint()),
         serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting, f.parallel),
         perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len),
         tools=ToolOptions(f.pieces, f.force, f.output, int(f.llama2c_version), f.group_size,
@@ -169,3 +180,52 @@ def _sampling() -> SamplingOptions:
             f"{', '.join(given)} cannot be used with it (use --decode=graph or fused)"
         )
     return SamplingOptions(config, tuple(given))
+
+
+def constraint() -> Grammar | None:
+    """The `Grammar` of the constraint flag given (`CONSTRAINT_FLAGS`), None for none.
+
+    --json_schema takes a file or inline JSON (text starting with "{", or true / false);
+    --grammar a file, GBNF where it holds "::=", else Lark.
+
+    Raises:
+      JllamaError: more than one constraint flag, a file that cannot be read, or a schema,
+        pattern or grammar llguidance refuses (one line naming the flag).
+    """
+    f = FLAGS
+    given = [name for name in CONSTRAINT_FLAGS if f[name].value not in (None, False)]
+    if len(given) > 1:
+        raise JllamaError(f"{', '.join('--' + n for n in given)}: give one constraint, not "
+                          "several")
+    if not given:
+        return None
+    name = given[0]
+    from jllama.constrain import Grammar, GrammarError
+
+    value = f[name].value
+    try:
+        if name == "json":
+            return Grammar.of("json", "")
+        if name == "regex":
+            return Grammar.of("regex", value)
+        if name == "json_schema":
+            inline = value.strip().startswith("{") or value.strip() in ("true", "false")
+            return Grammar.json_schema(value if inline else _read(name, value))
+        text = _read(name, value)
+        return Grammar.of("gbnf" if "::=" in text else "lark", text)
+    except GrammarError as e:
+        raise JllamaError(f"--{name}: {e}") from None
+
+
+def _read(flag: str, path: str) -> str:
+    """The UTF-8 text of the file a flag names (JllamaError naming the flag otherwise)."""
+    from jllama.files import require_regular_file
+
+    require_regular_file(Path(path), f"--{flag}={path}", JllamaError)
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise JllamaError(f"--{flag}={path}: not UTF-8 text ({e.reason} at byte {e.start})"
+                          ) from None
+    except OSError as e:
+        raise JllamaError(f"--{flag}={path}: cannot read: {e.strerror or e}") from None

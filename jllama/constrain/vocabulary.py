@@ -5,7 +5,8 @@ logit count (a vocabulary padded past the tokenizer's: the extra ids are never a
 llguidance (https://github.com/guidance-ai/llguidance) computes a token mask from the bytes of
 every token (`LLTokenizer`, built once per tokenizer: about a second on a 128K vocabulary, so
 `vocabulary_for` keeps them). It marks a token special by a leading 0xFF byte (its
-`llamacpp.py` does the same for llama.cpp vocabularies); a text grammar never allows one.
+`llamacpp.py` does the same for llama.cpp vocabularies); a text grammar never allows one. A
+byte token 0xFF reads as one too: that byte is never in UTF-8 text, so no text grammar loses it.
 """
 
 from __future__ import annotations

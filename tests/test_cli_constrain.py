@@ -1,0 +1,62 @@
+"""The constraint flags (--json_schema, --json, --regex, --grammar) on the embedded
+stories260K: outputs checked by jsonschema / re, bad values one line naming the flag."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+from constrain_cases import SCHEMAS
+from test_cli import run
+
+
+def _text(*args: str) -> str:
+    done = run("--temperature=0", "--steps=120", "--output_format=json", *args)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["text"]
+
+
+def test_schema_inline_and_from_a_file_json_regex_and_grammar(tmp_path):
+    schema = SCHEMAS[19]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema), encoding="utf-8")
+    for flag in (f"--json_schema={path}", f"--json_schema={json.dumps(schema)}"):
+        jsonschema.validate(json.loads(_text(flag, "--prompt=Once")), schema)
+    json.loads(_text("--json", "--seed=3", "--temperature=1"))
+    assert re.fullmatch(r"(cat|dog)s? [a-z]{2,5}", _text(r"--regex=(cat|dog)s? [a-z]{2,5}"))
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= ("yes" | "no") "!"\n', encoding="utf-8")
+    assert _text(f"--grammar={gbnf}") in ("yes!", "no!")
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "x=" /[0-9]{1,2}/\n', encoding="utf-8")
+    assert re.fullmatch(r"x=[0-9]{1,2}", _text(f"--grammar={lark}"))
+
+
+def test_decode_loop_falls_back_to_graph_with_a_note():
+    done = run("--decode=loop", "--temperature=0", "--steps=60", "--regex=(cat|dog)s?",
+               "--output_format=json")
+    assert done.returncode == 0, done.stderr
+    assert "constrained generation decodes in graph mode" in done.stderr
+    assert re.fullmatch(r"(cat|dog)s?", json.loads(done.stdout)["text"])
+
+
+def test_bad_constraints_are_one_line_errors(tmp_path):
+    missing = tmp_path / "missing.json"
+    cases = [
+        (["--json_schema={bad"], "--json_schema: the JSON schema is not JSON"),
+        (['--json_schema={"type": "nope"}'], "--json_schema: "),
+        ([f"--json_schema={missing}"], f"--json_schema={missing}: no such file"),
+        (["--regex=("], "--regex: "),
+        ([f"--grammar={missing}"], f"--grammar={missing}: no such file"),
+        (["--json", "--regex=a"], "--json, --regex: give one constraint, not several"),
+    ]
+    bad = tmp_path / "bad.lark"
+    bad.write_text("start: undefined_rule\n", encoding="utf-8")
+    cases.append(([f"--grammar={bad}"], "--grammar: "))
+    for args, expected in cases:
+        done = run(*args)
+        assert done.returncode != 0, args
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and "Traceback" not in done.stderr, (
+            args, done.stderr)
