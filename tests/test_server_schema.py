@@ -87,9 +87,7 @@ def test_unsupported_options_name_the_field():
     assert refusal(best_of=3).param == "best_of"
     assert refusal(echo=True).message == "echo: echo=true is not supported (got True)"
     assert refusal(suffix="x").param == "suffix"
-    assert refusal(ChatCompletionRequest, tools=[{"type": "function"}]).param == "tools"
-    assert refusal(ChatCompletionRequest, response_format={"type": "json_object"}).param == (
-        "response_format")
+    assert refusal(tools=[{"type": "function"}]).param == "tools"  # completions: chat only
     parse(n=1, best_of=1, echo=False, suffix="")
     parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                            "tools": [], "response_format": {"type": "text"}}).encode(),

@@ -130,6 +130,8 @@ def vocabulary_for(tokenizer: Tokenizer, n_logits: int | None = None) -> Vocabul
             return held[1]
     vocabulary = build_vocabulary(tokenizer, n_logits)
     with _cache_lock:
-        _cache[key] = (weakref.ref(tokenizer, lambda _, key=key: _cache.pop(key, None)),
-                       vocabulary)
+        # The callback holds the dict itself: at interpreter exit the module's globals are
+        # already None when the last tokenizers are collected.
+        forget = lambda _, key=key, cache=_cache: cache.pop(key, None)  # noqa: E731
+        _cache[key] = (weakref.ref(tokenizer, forget), vocabulary)
     return vocabulary

@@ -11,9 +11,6 @@ wrong method, 413 for a body over the limit, 503 when the queue is full.
 
 from __future__ import annotations
 
-import asyncio
-import codecs
-import json
 import secrets
 import time
 import weakref
@@ -21,22 +18,27 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from jllama.chat import ChatTemplate
 from jllama.errors import JllamaError
-from jllama.server.engine import Done, Engine, Failed, Job, Text, TokenLogprob
+from jllama.server.engine import Engine, Failed, Job, Text
 from jllama.server.errors import APIError
+from jllama.server.payloads import TextOffsets, chat_logprobs, completion_logprobs, usage
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
-
-MAX_BODY_BYTES = 4 * 1024 * 1024
-"""The default limit on a request body (bytes): far more than any prompt that fits a context."""
-
-_DRAIN_LIMIT = 256 * 1024 * 1024  # read (and drop) at most this much of an oversized body
-
+from jllama.server.structured import response_format_grammar
+from jllama.server.tool_reply import TextReply, ToolReply
+from jllama.server.tools import plan_chat, template_renders_tools
+from jllama.server.transport import (
+    BODY_TIMEOUT_S,
+    MAX_BODY_BYTES,
+    collect,
+    events_of,
+    read_body,
+    stream,
+)
 
 RETRY_AFTER_S = 1
 """The Retry-After a 503 (queue full) carries, seconds."""
@@ -46,45 +48,6 @@ def _error_response(error: APIError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
-
-BODY_TIMEOUT_S = 30.0
-"""Seconds a client has to send a request's whole body (a slow sender gets a 408)."""
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
-    """The body, at most `limit` bytes, within `timeout_s` seconds (else a 408). An oversized
-    body is still read (up to a hard cap) and dropped before the 413 goes out, so the client,
-    still sending, sees the answer rather than a reset connection."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _read_body_now(request, limit)
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
-                       code="request_timeout") from None
-
-
-async def _read_body_now(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    too_big = declared is not None and declared.isdigit() and int(declared) > limit
-    chunks, total = [], 0
-    try:
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                too_big = True
-            if too_big:
-                if total > _DRAIN_LIMIT:
-                    break
-                continue
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone while sending: one access-log line, not a traceback
-        raise APIError(499, "the client closed the connection while sending the body") from None
-    if too_big:
-        raise APIError(
-            413, f"the request body is larger than the limit of {limit} bytes",
-            code="request_too_large",
-        )
-    return b"".join(chunks)
 
 
 def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYTES,
@@ -104,6 +67,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     template = None
     if model.chat_template:
         template = ChatTemplate.for_tokenizer(model.chat_template, tokenizer, source=model.source)
+    renders_tools = template is not None and template_renders_tools(template)
 
     app = FastAPI(title="jllama", docs_url=None, redoc_url=None, openapi_url=None)
     # Submitted jobs, until their requests end (keyed by id: a Job compares by value).
@@ -216,22 +180,26 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             )
         return ids
 
-    def encode_chat(messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(messages: list[dict], tools: list[dict] | None) -> list[int]:
         try:
-            segments = template.render_segments(messages, add_generation_prompt=True)
+            segments = template.render_segments(messages, add_generation_prompt=True,
+                                                tools=tools)
         except JllamaError as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         return tokenizer.encode_segments(segments, bos=False)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await _read_body(request, max_body_bytes, body_timeout_s), CompletionRequest)
+        body = parse_body(await read_body(request, max_body_bytes, body_timeout_s),
+                          CompletionRequest)
         check_model(body.model)
         sampler = body.sampler_config(tokenizer.vocab_size)
+        grammar = response_format_grammar(body.response_format)
         ids = await run_in_threadpool(encode_prompt, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         check_length(ids, "prompt", max_tokens)
-        job = Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs)
+        job = Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs,
+                  grammar=grammar)
         submit(job)
         ident, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
 
@@ -246,26 +214,27 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
-                before = _TextOffsets()  # the completion so far, for text_offset
-                async for event in _events(job):
+                before = TextOffsets()  # the completion so far, for text_offset
+                async for event in events_of(job):
                     if isinstance(event, Text):
-                        logprobs = _completion_logprobs(event.logprobs, body, before)
+                        logprobs = completion_logprobs(event.logprobs, body, before)
                         yield chunk(event.text, logprobs, None)
                     else:
                         yield chunk("", None, event.finish_reason)
                         if body.include_usage:
-                            yield {**chunk("", None, None), "choices": [], "usage": _usage(event)}
+                            yield {**chunk("", None, None), "choices": [], "usage": usage(event)}
 
-            return _stream(events(), job)
-        texts, logprobs, done = await _collect(request, job)
+            return stream(events(), job)
+        texts, logprobs, done = await collect(request, job)
         return {
-            **chunk("".join(texts), _completion_logprobs(logprobs, body), done.finish_reason),
-            "usage": _usage(done),
+            **chunk("".join(texts), completion_logprobs(logprobs, body), done.finish_reason),
+            "usage": usage(done),
         }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(await _read_body(request, max_body_bytes, body_timeout_s), ChatCompletionRequest)
+        body = parse_body(await read_body(request, max_body_bytes, body_timeout_s),
+                          ChatCompletionRequest)
         check_model(body.model)
         if template is None:
             raise APIError(
@@ -275,14 +244,19 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         sampler = body.sampler_config(tokenizer.vocab_size)
-        ids = await run_in_threadpool(encode_chat, body.message_dicts())
+        plan = plan_chat(body.message_dicts(), body.tools, body.tool_choice,
+                         body.response_format, renders_tools)
+        ids = await run_in_threadpool(encode_chat, plan.messages, plan.template_tools)
         max_tokens = body.max_completion_tokens or body.max_tokens
         check_length(ids, "messages", max_tokens, "max_completion_tokens"
                      if body.max_completion_tokens else "max_tokens")
         job = Job(ids, sampler, max_tokens, stop=body.stop,
-                  logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                  logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                  grammar=plan.grammar)
         submit(job)
         ident, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        reply = (ToolReply(expect_call=plan.mode in ("required", "named"))
+                 if plan.offers_tools else TextReply())
 
         def chunk(delta: dict, logprobs, finish_reason) -> dict:
             return {
@@ -297,156 +271,33 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         if body.stream:
             async def events() -> AsyncIterator[dict]:
                 yield chunk({"role": "assistant", "content": ""}, None, None)
-                async for event in _events(job):
+                async for event in events_of(job):
                     if isinstance(event, Text):
-                        yield chunk({"content": event.text}, _chat_logprobs(event.logprobs, body),
-                                    None)
+                        logprobs = chat_logprobs(event.logprobs, body)
+                        # A piece of a call's head is held back until the name is whole; its
+                        # logprobs still go out, in a chunk with an empty delta.
+                        for delta in reply.deltas(event.text) or ([{}] if logprobs else []):
+                            yield chunk(delta, logprobs, None)
+                            logprobs = None
                     else:
-                        yield chunk({}, None, event.finish_reason)
+                        for delta in reply.final_deltas():
+                            yield chunk(delta, None, None)
+                        yield chunk({}, None, reply.finish_reason(event.finish_reason))
                         if body.include_usage:
-                            yield {**chunk({}, None, None), "choices": [], "usage": _usage(event)}
+                            yield {**chunk({}, None, None), "choices": [], "usage": usage(event)}
 
-            return _stream(events(), job)
-        texts, logprobs, done = await _collect(request, job)
+            return stream(events(), job)
+        texts, logprobs, done = await collect(request, job)
         return {
             "id": ident, "object": "chat.completion", "created": now, "model": model_id,
             "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": "".join(texts)},
-                "logprobs": _chat_logprobs(logprobs, body), "finish_reason": done.finish_reason,
+                "index": 0, "message": reply.message("".join(texts)),
+                "logprobs": chat_logprobs(logprobs, body),
+                "finish_reason": reply.finish_reason(done.finish_reason),
             }],
-            "usage": _usage(done),
+            "usage": usage(done),
         }
 
     return app
 
 
-async def _events(job: Job) -> AsyncIterator[Text | Done]:
-    """The job's events up to its `Done`; a `Failed` is raised as its APIError."""
-    while True:
-        event = await job.events.get()
-        if isinstance(event, Failed):
-            raise event.error
-        yield event
-        if isinstance(event, Done):
-            return
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns when the client closes the connection. The body has been read, so the next
-    ASGI message is the disconnect: waiting for it notices at once, where polling
-    `is_disconnected` between events never ran while the events kept coming (a non-streamed
-    request generated to its end after its client left)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(request: Request, job: Job) -> tuple[list[str], list[TokenLogprob], Done]:
-    """Waits for a non-streaming job, cancelling it as soon as the client disconnects (the
-    worker stops before its next token)."""
-    texts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    gone = asyncio.ensure_future(_disconnect(request))
-    try:
-        while True:
-            event = asyncio.ensure_future(job.events.get())
-            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not event.done():
-                event.cancel()
-                raise APIError(499, "the client closed the request")
-            event = event.result()
-            if isinstance(event, Failed):
-                raise event.error
-            if isinstance(event, Done):
-                return texts, logprobs, event
-            texts.append(event.text)
-            logprobs.extend(event.logprobs)
-    except BaseException:  # a vanished client, a server shutting down: free the worker
-        job.cancel()
-        raise
-    finally:
-        gone.cancel()
-
-
-def _stream(chunks: AsyncIterator[dict], job: Job) -> StreamingResponse:
-    """Server-sent events: one `data: {json}` per chunk, then `data: [DONE]`. A failure after
-    the headers went out becomes an `{"error": ...}` event; a client that goes away cancels the
-    job (Starlette cancels this generator when the connection closes)."""
-
-    async def sse() -> AsyncIterator[bytes]:
-        try:
-            async for item in chunks:
-                yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
-        except APIError as e:
-            yield f"data: {json.dumps(e.body(), ensure_ascii=False)}\n\n".encode()
-        finally:
-            job.cancel()  # a no-op for a finished job; frees the worker for a vanished client
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(
-        sse(), media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-
-
-def _usage(done: Done) -> dict:
-    usage = {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-    }
-    if done.cached_tokens is not None:  # OpenAI's count of prompt tokens served from a cache
-        usage["prompt_tokens_details"] = {"cached_tokens": done.cached_tokens}
-    return usage
-
-
-def _chat_logprobs(items: list[TokenLogprob], body: ChatCompletionRequest) -> dict | None:
-    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    if not body.logprobs:
-        return None
-    return {
-        "content": [
-            {
-                "token": item.token, "logprob": item.logprob, "bytes": item.bytes,
-                "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": b} for t, b, lp in item.top
-                ],
-            }
-            for item in items
-        ],
-        "refusal": None,
-    }
-
-
-class _TextOffsets:
-    """Characters of a completion so far, decoding its tokens' bytes as they come (invalid
-    bytes count as one U+FFFD each, as in the text; a character still missing bytes counts
-    once it is whole)."""
-
-    def __init__(self):
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.chars = 0
-
-    def add(self, data: list[int]) -> int:
-        """The offset of a token with bytes `data` (where its first character starts)."""
-        at = self.chars
-        self.chars += len(self._decoder.decode(bytes(data)))
-        return at
-
-
-def _completion_logprobs(items: list[TokenLogprob], body: CompletionRequest,
-                         before: _TextOffsets | None = None) -> dict | None:
-    """OpenAI's legacy completions `logprobs`: tokens, token_logprobs, top_logprobs (a dict per
-    token), text_offset (characters from the start of the completion to the character the
-    token's first byte belongs to, counted in the text as decoded, not in the U+FFFD a token
-    holding part of a character shows as). `before`: the completion's bytes before `items`
-    (a stream's earlier chunks), taken on here."""
-    if body.logprobs is None:
-        return None
-    before = _TextOffsets() if before is None else before
-    offsets = [before.add(item.bytes) for item in items]
-    return {
-        "tokens": [item.token for item in items],
-        "token_logprobs": [item.logprob for item in items],
-        "top_logprobs": [{t: lp for t, _, lp in item.top} for item in items],
-        "text_offset": offsets,
-    }

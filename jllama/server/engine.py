@@ -20,11 +20,15 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jllama.sampling import SamplerConfig
 from jllama.server.errors import APIError
 from jllama.server.metrics import Metrics
 from jllama.streaming import Text, TokenLogprob
+
+if TYPE_CHECKING:  # llguidance is imported only where a grammar is used
+    from jllama.constrain import Grammar
 
 __all__ = ["Done", "Engine", "Failed", "Job", "Text", "TokenLogprob", "enqueue"]
 
@@ -58,6 +62,8 @@ class Job:
       max_tokens: the most tokens to generate (None: until the context is full).
       stop: stop strings.
       logprobs: how many top log-probs per token (0: only the chosen token's), or None: none.
+      grammar: a `jllama.constrain.Grammar` the generated text must match (response_format,
+        a tool call), or None.
       events: where the worker puts `Text`, `Done` or `Failed` (an asyncio.Queue of the loop
         that submitted the job).
     """
@@ -67,6 +73,7 @@ class Job:
     max_tokens: int | None
     stop: Sequence[str] = ()
     logprobs: int | None = None
+    grammar: Grammar | None = None
     events: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -192,7 +199,7 @@ class Engine:
     def _generate(self, job: Job) -> None:
         completion = self.session.complete(
             job.prompt_ids, job.sampler, max_tokens=job.max_tokens, stop=job.stop,
-            logprobs=job.logprobs, cancelled=job.cancelled.is_set,
+            logprobs=job.logprobs, cancelled=job.cancelled.is_set, grammar=job.grammar,
         )
         for piece in completion:
             job._emit(piece)

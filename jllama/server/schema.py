@@ -28,6 +28,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from jllama.sampling import SamplerConfig, SamplerSettingError, check_setting
@@ -197,12 +198,13 @@ class CompletionRequest(_Sampling):
         str | None, _refuse(lambda suffix: not suffix, "suffix (insertion) is not supported")
     ] = None
     best_of: Annotated[int | None, _refuse(lambda n: n == 1, "only best_of=1 is supported")] = None
-    # Not fields of OpenAI's completions API, but a client that sends them expects them
-    # applied: refused as on /v1/chat/completions rather than silently ignored.
+    # Not fields of OpenAI's completions API: tools are refused rather than silently ignored;
+    # response_format is applied as on /v1/chat/completions (as llama.cpp's and vLLM's servers
+    # do), checked by `jllama.server.structured`.
     tools: Annotated[Any, _refuse(lambda tools: not tools,
-                                  "tools (function calling) are not supported")] = None
-    response_format: Annotated[Any, _refuse(lambda f: f is None or f == {"type": "text"},
-                                            'only {"type": "text"} is supported')] = None
+                                  "tools (function calling) are only supported on "
+                                  "/v1/chat/completions")] = None
+    response_format: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -222,13 +224,21 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Any
+    """One message. `content` may be null (an assistant message with `tool_calls`);
+    `tool_calls` (assistant) and `tool_call_id` (tool) are checked where they are used
+    (`jllama.server.tools.history`)."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Any = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _content(cls, value: Any) -> str:
+    def _content(cls, value: Any) -> str | None:
+        if value is None:
+            return None
         if isinstance(value, str):
             return value
         if isinstance(value, list):
@@ -246,9 +256,16 @@ class ChatMessage(_Strict):
             return "".join(parts)
         raise ValueError("must be a string or a list of text parts")
 
+    @model_validator(mode="after")
+    def _null_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: must be a string or a list of text parts (null only in "
+                             "an assistant message with tool_calls)")
+        return self
+
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
-        return self.content
+        """The content as one string (text parts joined; null: "")."""
+        return self.content or ""
 
 
 class ChatCompletionRequest(_Sampling):
@@ -260,18 +277,24 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: Annotated[Any, _refuse(lambda tools: not tools,
-                                  "tools (function calling) are not supported")] = None
+    tools: Any = None
     tool_choice: Any = None
-    response_format: Annotated[Any, _refuse(lambda f: f == {"type": "text"},
-                                            'only {"type": "text"} is supported')] = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        """The messages as the chat template reads them: {"role", "content"} dicts."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def message_dicts(self) -> list[dict]:
+        """The messages as the chat template reads them: {"role", "content"} dicts (content
+        null kept as None), with `tool_calls` and `tool_call_id` where given."""
+        out = []
+        for m in self.messages:
+            item = {"role": "system" if m.role == "developer" else m.role,
+                    "content": m.content}
+            if m.tool_calls is not None:
+                item["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                item["tool_call_id"] = m.tool_call_id
+            out.append(item)
+        return out
 
 
 def _param(loc: tuple) -> str:

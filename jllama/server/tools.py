@@ -25,14 +25,16 @@ instead, and past calls written in the same format as their content.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
 from typing import Any
 
 from jllama.constrain import Grammar, GrammarError
+from jllama.errors import JllamaError
 from jllama.server.errors import APIError
-from jllama.server.structured import schema_grammar
+from jllama.server.structured import response_format_grammar, schema_grammar
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -208,88 +210,60 @@ def history(messages: list[dict], renders_tools: bool, tools: list[dict] | None)
     return out
 
 
-_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "parameters": ')
+def template_renders_tools(template) -> bool:
+    """Whether a `jllama.chat.ChatTemplate` writes the `tools` it is given into the prompt
+    (Llama 3.1/3.2's do; ChatML ones such as SmolLM2's ignore them): a probe tool's name
+    is looked for in a one-message render."""
+    probe = f"jllama_probe_{secrets.token_hex(6)}"
+    tool = {"type": "function", "function": {"name": probe, "description": "",
+                                             "parameters": dict(_EMPTY_PARAMETERS)}}
+    try:
+        text = template.render([{"role": "user", "content": "Hello"}], tools=[tool])
+    except JllamaError:
+        return False
+    return probe in text
 
 
-class ToolCallReader:
-    """Reads a reply as it is generated: text, or one call in the format the grammar fixes.
+@dataclasses.dataclass(frozen=True)
+class ChatPlan:
+    """How a chat request is rendered and constrained.
 
-    `feed(text)` returns the events the new text completes: `("content", text)`,
-    `("call", name)` once the name is known, `("arguments", text)` pieces of the parameters
-    value. `finish()` returns what is left (a reply cut short before its name: its text as
-    content). `is_call` is True once the reply is known to be a call.
+    Attributes:
+      messages: the conversation as the template reads it (`history`).
+      template_tools: the template's `tools` variable (None: not rendered).
+      grammar: what the reply must match (response_format's, a call's), or None.
+      mode: "none" (no tools offered), "auto", "required" or "named".
     """
 
-    def __init__(self, expect_call: bool):
-        self.is_call: bool | None = True if expect_call else None
-        self.name: str | None = None
-        self.arguments = ""
-        self._buffer = ""
-        self._depth = 0
-        self._in_string = False
-        self._escape = False
-        self._started = False
-        self._done = False
+    messages: list[dict]
+    template_tools: list[dict] | None
+    grammar: Grammar | None
+    mode: str
 
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        if self.is_call is None and (self._buffer + text):
-            self.is_call = (self._buffer + text)[0] == "{"
-        if self.is_call is False:
-            return [("content", text)] if text else []
-        self._buffer += text
-        events = []
-        if self.name is None:
-            head = _HEAD.match(self._buffer)
-            if head is None:
-                return []
-            self.name = json.loads(head.group(1))
-            events.append(("call", self.name))
-            self._buffer = self._buffer[head.end():]
-        piece = self._scan(self._buffer)
-        self._buffer = ""
-        if piece:
-            self.arguments += piece
-            events.append(("arguments", piece))
-        return events
-
-    def _scan(self, text: str) -> str:
-        """The part of `text` inside the parameters value (the closing "}" of the call and
-        anything after it dropped)."""
-        for k, ch in enumerate(text):
-            if self._done:
-                return text[:k]
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_string = False
-                    self._done = self._depth == 0
-                continue
-            if ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                if self._depth == 0:  # the call's own "}" after a scalar value
-                    self._done = True
-                    return text[:k]
-                self._depth -= 1
-                self._done = self._depth == 0
-            elif ch == '"':
-                self._in_string = True
-            elif ch in ", \t\r\n" and self._depth == 0 and self._started:
-                self._done = True
-                return text[:k]
-            self._started = True
-        return text
-
-    def finish(self) -> list[tuple[str, str]]:
-        if self.is_call and self.name is None and self._buffer:
-            self.is_call = False
-            return [("content", self._buffer)]
-        return []
+    @property
+    def offers_tools(self) -> bool:
+        return self.mode != "none"
 
 
-def new_call_id() -> str:
-    """An id for a call, "call_" and 24 hex digits (OpenAI's ids start "call_")."""
-    return f"call_{secrets.token_hex(12)}"
+def plan_chat(messages: list[dict], tools: Any, tool_choice: Any, response_format: Any,
+              renders_tools: bool) -> ChatPlan:
+    """A chat request's `ChatPlan` from its messages, tools, tool_choice and response_format.
+
+    Raises:
+      APIError (400): a bad `tools`, `tool_choice`, `response_format` or `tool_calls` item
+        (`param` names it), or response_format together with tool_choice "auto" (a JSON
+        reply and a call both start with "{", so the reply could not be told apart).
+    """
+    checked = parse_tools(tools) if tools not in (None, []) else None  # [] as llama.cpp: none
+    mode, name = parse_tool_choice(tool_choice, checked)
+    grammar = response_format_grammar(response_format)
+    offered = checked if mode != "none" else None
+    if mode == "auto" and grammar is not None:
+        raise APIError(400, 'response_format: not supported with tools and tool_choice "auto" '
+                       '(give tool_choice "none", "required" or a function)',
+                       param="response_format")
+    if offered:
+        # A reply that must be a call has no content for response_format to shape.
+        grammar = call_grammar(offered, mode, name)
+    return ChatPlan(history(messages, renders_tools, offered),
+                    offered if renders_tools else None, grammar, mode)
