@@ -37,7 +37,8 @@ from jllama.server.errors import APIError
 from jllama.server.structured import response_format_grammar, schema_grammar
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_LAYOUT = {"whitespace_flexible": False, "whitespace_pattern": None,  # None: not the default
+           "item_separator": ", ", "key_separator": ": "}
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
