@@ -135,6 +135,46 @@ class LoopDecoder:
         return ids, finite
 
 
+class ConstrainedLoopDecoder(LoopDecoder):
+    """`LoopDecoder` for a constrained generation: one token per call, sampled on the device
+    over the logits `constraint`'s grammar allows (its mask passed into the loop program), the
+    token then consumed by the matcher on the host. The same tokens and random draws as the
+    host path (`ConstrainedSampler` around `sampler`): one coin per token drawn, none once
+    the grammar is done (the end-of-generation id is then the only id allowed, and the last
+    token is still fed, so the cache holds it as in graph mode).
+
+    Args:
+      backend, sampler, stop_ids: as `LoopDecoder`; the backend's `loop_masks` is True.
+      constraint: the generation's `jllama.constrain.ConstrainedSampler` (the host samples
+        the first token through it; this decoder goes on with its matcher).
+    """
+
+    def __init__(self, backend: DeviceLoop, sampler: Sampler, stop_ids: Sequence[int],
+                 constraint):
+        super().__init__(backend, sampler, stop_ids)
+        self._constraint = constraint
+        end = constraint.vocabulary.end_id
+        self._only_end = np.zeros((constraint.vocabulary.n_logits + 31) // 32, np.int32)
+        self._only_end.view(np.uint32)[end // 32] = np.uint32(1 << (end % 32))
+
+    def __call__(self, token: int, pos: int, n: int) -> tuple[list[int], bool]:
+        sampler, config, kind = self._sampler, self._sampler.config, self.kind
+        bits = self._constraint.next_mask()
+        done = bits is None
+        coins, start = None, sampler.rng.state
+        if kind != "greedy":
+            coins = [0.0] if done else [sampler.rng.random_f32()]
+        ids, finite = self._backend.decode_loop(
+            token, pos, 1, kind=kind, temperature=config.temperature, top_p=config.top_p,
+            coins=coins, stop_ids=self._stop, allowed_bits=self._only_end if done else bits,
+        )
+        if kind != "greedy" and not ids:
+            sampler.rng = XorShiftRng(start)  # nothing sampled: no draw
+        for t in ids:
+            self._constraint.consume(t)
+        return ids, finite
+
+
 def loop_decoder(backend: DeviceLoop, sampler: Sampler, stop_ids: Sequence[int]) -> LoopDecoder:
     """A `LoopDecoder` whose program is compiled: call it before the backend's first sequence
     starts, since it compiles the loop by running it at position 0 (`DeviceLoop.compile_loop`).

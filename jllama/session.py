@@ -28,8 +28,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jllama.backends import prepared_backend
-from jllama.backends.base import Backend, CompilePlanning, Described, Prefill, PrefillLogits
-from jllama.device_loop import DECODE_MODES, LoopDecoder, decode_mode
+from jllama.backends.base import (
+    Backend,
+    CompilePlanning,
+    Described,
+    DeviceLoop,
+    Prefill,
+    PrefillLogits,
+)
+from jllama.device_loop import DECODE_MODES, ConstrainedLoopDecoder, LoopDecoder, decode_mode
 from jllama.errors import JllamaError
 from jllama.generate import Generation
 from jllama.sampling import Sampler, SamplerConfig, restrict_to_vocabulary
@@ -77,7 +84,7 @@ class Session(SlotsMixin):
         self.prefill = prefill
         self.device_sampling = device_sampling
         self.compile_ahead = compile_ahead
-        self._loops_compiled: set[str] = set()
+        self._loops_compiled: set[tuple[str, bool]] = set()  # (kind, masked)
         self._default_slot = Slot(None)  # the caches `prepare` made: its `caches` once swapped
         self._current = self._default_slot
         self._slotted = False
@@ -182,9 +189,10 @@ class Session(SlotsMixin):
           grammar: a `jllama.constrain.Grammar` every generated token must keep to: a
             `ConstrainedSampler` masks the logits before `sample` sees them (log-probs are
             then over the allowed tokens) and the generation ends with the tokenizer's
-            end-of-generation id once the grammar is complete (even with ignore_eos). It runs
-            in graph decode mode (the device loop cannot mask) and is never drawn by the
-            batched step; `generation.constraint` is the `ConstrainedSampler` (mask time).
+            end-of-generation id once the grammar is complete (even with ignore_eos). In the
+            loop decode mode the mask goes into the device loop, one token per call
+            (`ConstrainedLoopDecoder`); the batched step never draws it; `generation.constraint`
+            is the `ConstrainedSampler` (mask time).
 
         One sequence owns a KV cache at a time: an earlier generation in the same slot that
         has not finished cannot go on once this one starts (iterating it raises RuntimeError).
@@ -220,18 +228,21 @@ class Session(SlotsMixin):
         if grammar is not None:
             from jllama.constrain import ConstrainedSampler, vocabulary_for
 
-            # The mask is applied on the host, to every token's logits.
-            host_logits = True
             vocabulary = vocabulary_for(self.tokenizer, self.config.vocab_size)
             if vocabulary.end_id not in stop_ids:
                 stop_ids += (vocabulary.end_id,)  # a complete grammar ends the generation
         loop = None
-        if self.decode_mode(sampler, host_logits) == "loop":
+        # A padded vocabulary is masked on the host (restrict_to_vocabulary), so graph mode;
+        # so is a grammar where the device loop takes no masks.
+        masked = grammar is not None
+        host_mask = masked and (self.padded or not (isinstance(self.backend, DeviceLoop)
+                                                    and self.backend.loop_masks))
+        if self.decode_mode(sampler, host_logits or host_mask) == "loop":
             loop = LoopDecoder(self.backend, sampler, stop_ids)
-            if loop.kind not in self._loops_compiled and start_pos == 0:
+            if (loop.kind, masked) not in self._loops_compiled and start_pos == 0:
                 # At position 0, before the sequence starts (it rewrites that position).
-                self.backend.compile_loop(loop.kind)
-            self._loops_compiled.add(loop.kind)
+                self.backend.compile_loop(loop.kind, masked=masked)
+            self._loops_compiled.add((loop.kind, masked))
         prefill = None
         if self.prefill == "chunked" and isinstance(self.backend, Prefill):
             prefill = self.backend.prefill
@@ -240,7 +251,8 @@ class Session(SlotsMixin):
             # than inside the timed prefill and in the middle of decoding.
             self.backend.compile_for(len(prompt_ids), start_pos + steps - 1,
                                      loop.kind if loop is not None else None,
-                                     chunked=prefill is not None, start=start_pos)
+                                     chunked=prefill is not None, start=start_pos,
+                                     masked=loop is not None and masked)
         drawn_by = sampler if sample is None and isinstance(sampler, Sampler) else None
         sample = sample if sample is not None else sampler
         n_tokens = None
@@ -251,6 +263,8 @@ class Session(SlotsMixin):
         if grammar is not None:
             constraint = sample = ConstrainedSampler(sample, grammar, vocabulary)
             drawn_by = None  # a batched draw would not see the mask
+            if loop is not None:  # the device loop goes on with the same matcher
+                loop = ConstrainedLoopDecoder(self.backend, sampler, stop_ids, constraint)
         sample = self._slot_sample(slot, drawn_by, sample, n_tokens)
         slot.generations += 1
         slot.active = Generation(

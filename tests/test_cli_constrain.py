@@ -33,12 +33,15 @@ def test_schema_inline_and_from_a_file_json_regex_and_grammar(tmp_path):
     assert re.fullmatch(r"x=[0-9]{1,2}", _text(f"--grammar={lark}"))
 
 
-def test_decode_loop_falls_back_to_graph_with_a_note():
-    done = run("--decode=loop", "--temperature=0", "--steps=60", "--regex=(cat|dog)s?",
-               "--output_format=json")
-    assert done.returncode == 0, done.stderr
-    assert "constrained generation decodes in graph mode" in done.stderr
-    assert re.fullmatch(r"(cat|dog)s?", json.loads(done.stdout)["text"])
+def test_decode_loop_masks_on_the_device():
+    for sampling in ("--temperature=0", "--seed=3"):
+        done = run("--decode=loop", sampling, "--steps=60", "--regex=(cat|dog)s?",
+                   "--output_format=json")
+        assert done.returncode == 0, done.stderr
+        assert re.fullmatch(r"(cat|dog)s?", json.loads(done.stdout)["text"])
+        graph = run("--decode=graph", sampling, "--steps=60", "--regex=(cat|dog)s?",
+                    "--output_format=json")
+        assert json.loads(graph.stdout)["generated_ids"] == json.loads(done.stdout)["generated_ids"]
 
 
 def test_bad_constraints_are_one_line_errors(tmp_path):

@@ -19,6 +19,7 @@ from jllama.constrain import (
     ConstrainedSampler, ConstraintError, Grammar, GrammarError, build_vocabulary, masked,
     vocabulary_for,
 )
+from jllama.device_loop import ConstrainedLoopDecoder
 from jllama.engine import Request, complete_all
 from jllama.sampling import Sampler, SamplerConfig
 
@@ -215,16 +216,32 @@ def test_without_a_grammar_the_tokens_are_unchanged(session):
     assert completion.generation.constraint is None
 
 
-def test_the_device_loop_mode_decodes_a_constrained_generation_in_graph_mode():
+def test_the_device_loop_mode_masks_on_the_device_as_graph_mode_on_the_host():
+    """The loop mode's masked program (one token per call) gives the tokens and the random
+    draws of the host path, and the schema holds; a chat turn after it (the cache it left)
+    is the same in both modes."""
     loop = Session.open(seq_len=512, decode="loop")
     graph = Session.open(seq_len=512, decode="graph")
     grammar = Grammar.json_schema(SCHEMAS[6])
     assert loop.decode_mode(Sampler(temperature=0.0)) == "loop"
     for seed in SEEDS:
-        a, _ = _complete(loop, grammar, seed)
+        a, done = _complete(loop, grammar, seed)
         b, _ = _complete(graph, grammar, seed)
+        assert isinstance(done.generation._decode_loop, ConstrainedLoopDecoder)  # not graph mode
         assert a == b
         jsonschema.validate(json.loads(a), SCHEMAS[6])
+    for seed in (None, 5):
+        turns = []
+        for session in (loop, graph):
+            sampler = _sampler(seed)
+            first = session.complete("Once", sampler, max_tokens=40, grammar=grammar)
+            "".join(p.text for p in first)
+            gen = first.generation
+            ids = gen.prompt_ids + gen.generated_ids
+            assert gen.end_pos == len(ids)  # the last token fed, as in graph mode
+            after = session.complete(ids + [5, 6], sampler, max_tokens=12, start_pos=len(ids))
+            turns.append(("".join(p.text for p in after), seed and sampler.rng.state))
+        assert turns[0] == turns[1]
     # The loop still runs a free generation after a constrained one.
     assert loop.decode_mode(Sampler(temperature=0.0)) == "loop"
 

@@ -94,3 +94,36 @@ def test_cli_chat_and_batch_with_inline_constraints(smollm2_gguf, tmp_path):
     for line in lines:
         assert line["finish_reason"] == "stop"
         jsonschema.validate(json.loads(line["text"]), schema)
+
+
+def test_cli_batch_twenty_schemas_greedy_and_three_seeds(smollm2_gguf, tmp_path):
+    """Every schema of `constrain_cases`, greedy and sampled with seeds 1, 2, 3, through the
+    command line: one `jllama batch` whose lines carry their own json_schema, temperature and
+    seed."""
+    cases = [(i, seed) for i in range(len(SCHEMAS)) for seed in (None, 1, 2, 3)]
+    lines = [json.dumps({"prompt": PROMPT, "json_schema": SCHEMAS[i],
+                         **({"temperature": 0} if seed is None else {"seed": seed,
+                                                                     "temperature": 1.0})})
+             for i, seed in cases]
+    prompts = _write(tmp_path, "prompts.jsonl", "\n".join(lines) + "\n")
+    batch = run("batch", f"--checkpoint={smollm2_gguf}", f"--file={prompts}", "--steps=100",
+                "--seq_len=512", "--parallel=8")
+    assert batch.returncode == 0, batch.stderr
+    out = [json.loads(line) for line in batch.stdout.splitlines()]
+    assert [o["index"] for o in out] == list(range(len(cases)))
+    for (i, seed), o in zip(cases, out):
+        assert o["finish_reason"] == "stop", (i, seed, o["text"])
+        jsonschema.validate(json.loads(o["text"]), SCHEMAS[i])
+        if seed is not None:
+            assert o["seed"] == seed
+
+
+def test_cli_batch_line_errors_name_the_line(smollm2_gguf, tmp_path):
+    for line, message in [
+        ({"prompt": "x", "json_schema": {"type": "nonsense"}}, "line 1: json_schema: "),
+        ({"prompt": "x", "temperature": -1}, "line 1: temperature must be"),
+    ]:
+        prompts = _write(tmp_path, "bad.jsonl", json.dumps(line) + "\n")
+        done = run("batch", f"--checkpoint={smollm2_gguf}", f"--file={prompts}", "--steps=4")
+        assert done.returncode == 1 and message in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1

@@ -83,15 +83,21 @@ class DeviceLoop(Protocol):
     loop_chunk: int
     """The most tokens one `decode_loop` call samples."""
 
+    loop_masks: bool
+    """Whether `decode_loop` takes a grammar's `allowed_bits`."""
+
     def decode_loop(self, token: int, pos: int, n: int, kind: str = "greedy",
                     temperature: float = 1.0, top_p: float = 1.0, coins=None,
-                    stop_ids: Sequence[int] = ()) -> tuple[list[int], bool]:
+                    stop_ids: Sequence[int] = (), allowed_bits=None) -> tuple[list[int], bool]:
         """Feed `token` at `pos` and sample up to min(n, loop_chunk) tokens after it; returns
-        (ids, finite), ids ending early after a stop token, finite False at NaN/inf logits."""
+        (ids, finite), ids ending early after a stop token, finite False at NaN/inf logits.
+        `allowed_bits`: a grammar's mask, i32[ceil(vocab_size / 32)] as llguidance writes it
+        (where `loop_masks`; then n is 1)."""
         ...
 
-    def compile_loop(self, kind: str = "greedy") -> float:
-        """Compile `decode_loop` for `kind` (before a sequence starts); seconds taken."""
+    def compile_loop(self, kind: str = "greedy", masked: bool = False) -> float:
+        """Compile `decode_loop` for `kind` (with a mask if `masked`) before a sequence starts;
+        seconds taken."""
         ...
 
 
@@ -103,9 +109,10 @@ class CompilePlanning(Protocol):
     """Seconds spent compiling so far (the warm-up in `prepare` and every `compile_for`)."""
 
     def compile_for(self, prompt_len: int, last: int, kind: str | None = None,
-                    chunked: bool = True, start: int = 0) -> float:
+                    chunked: bool = True, start: int = 0, masked: bool = False) -> float:
         """Compile what `prompt_len` prompt tokens fed from `start` (batched when `chunked`)
-        and decoding up to position `last` need (`kind`: the device loop's sampler, or None);
+        and decoding up to position `last` need (`kind`: the device loop's sampler, or None;
+        `masked`: its program with a grammar's mask);
         leaves positions < start in the cache as they are. Returns the seconds taken."""
         ...
 

@@ -2,7 +2,8 @@
 need, so that no compile lands inside the prefill or in the middle of decoding.
 
 What is compiled is remembered in `_compiled` (set by `prepare`), by key: ("forward", k),
-("loop", kind, k) and ("prefill", size, k), for k cache blocks read (`graphs.attention_blocks`).
+("loop", kind, masked, k) and ("prefill", size, k), for k cache blocks read
+(`graphs.attention_blocks`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 import time
 
 from jllama import graphs
-from jllama.backends.jax_loop import DeviceLoopSteps
+from jllama.backends.jax_loop import DeviceLoopSteps, all_allowed
 from jllama.backends.jax_prefill import PrefillSteps
 
 
@@ -21,7 +22,7 @@ class CompilePlan(PrefillSteps, DeviceLoopSteps):
 
     def compile_for(
         self, prompt_len: int, last: int, kind: str | None = None, chunked: bool = True,
-        start: int = 0,
+        start: int = 0, masked: bool = False,
     ) -> float:
         """Compile, before a generation, the programs it will need that are not compiled yet:
         the prefill chunk programs of `prompt_len` prompt tokens fed from position `start`
@@ -56,9 +57,11 @@ class CompilePlan(PrefillSteps, DeviceLoopSteps):
             if ("forward", blocks(pos)) not in self._compiled:
                 self._compiled.add(("forward", blocks(pos)))
                 self.forward(0, pos)
-            if kind is not None and pos >= end and ("loop", kind, blocks(pos)) not in self._compiled:
-                self._compiled.add(("loop", kind, blocks(pos)))
-                self.decode_loop(0, pos, 1, kind=kind, coins=[0.0])
+            loop_key = ("loop", kind, masked, blocks(pos))
+            if kind is not None and pos >= end and loop_key not in self._compiled:
+                self._compiled.add(loop_key)
+                bits = all_allowed(config.vocab_size) if masked else None
+                self.decode_loop(0, pos, 1, kind=kind, coins=[0.0], allowed_bits=bits)
         seconds = time.perf_counter() - began
         self.compile_seconds += seconds
         return seconds

@@ -18,6 +18,11 @@ LOOP_STOP_IDS = 8
 tokens in chunks of this many. LOOP_STOP_IDS: the most stop tokens it takes."""
 
 
+def all_allowed(vocab_size: int) -> np.ndarray:
+    """A mask that allows every id (for compiling the masked program)."""
+    return np.full((vocab_size + 31) // 32, -1, np.int32)
+
+
 class DeviceLoopSteps(JaxState):
     """`decode_loop` and `compile_loop` of `JaxGraphBackend` (`jllama.backends.base.DeviceLoop`),
     over the state `jax_state.JaxState` names, plus the device's embedding table the loop looks
@@ -25,6 +30,12 @@ class DeviceLoopSteps(JaxState):
 
     loop_chunk = LOOP_CHUNK
     _loop_embedding: object
+
+    @property
+    def loop_masks(self) -> bool:
+        """Whether `decode_loop` takes `allowed_bits`: on one device (not tried over a
+        mesh)."""
+        return self.tensor_parallel is None
 
     def decode_loop(
         self,
@@ -36,6 +47,7 @@ class DeviceLoopSteps(JaxState):
         top_p: float = 1.0,
         coins=None,
         stop_ids=(),
+        allowed_bits=None,
     ) -> tuple[list[int], bool]:
         """Feed `token` at `pos` and sample up to min(n, LOOP_CHUNK) tokens after it on the
         device, each fed in turn (`jllama.graphs.decode_loop`).
@@ -48,6 +60,8 @@ class DeviceLoopSteps(JaxState):
           coins: the random draw (float in [0, 1)) for each sampled token in order, at least
             min(n, LOOP_CHUNK) of them unless greedy.
           stop_ids: tokens that end the chunk when sampled (returned last).
+          allowed_bits: None, or a grammar's mask, int32[ceil(vocab_size / 32)] as llguidance
+            writes it (`jllama.graphs.decode_loop`): with it, n must be 1.
 
         Returns:
           (ids, finite): the sampled tokens (ending early after a stop token), and False if
@@ -63,6 +77,14 @@ class DeviceLoopSteps(JaxState):
             raise ValueError(f"decode_loop needs n >= 1, got {n}")
         if kind not in graphs.SAMPLING_KINDS:
             raise ValueError(f"kind={kind!r}; known: {', '.join(graphs.SAMPLING_KINDS)}")
+        if allowed_bits is not None:
+            words = (config.vocab_size + 31) // 32
+            allowed_bits = np.asarray(allowed_bits, np.int32)
+            if n != 1 or allowed_bits.shape != (words,) or not self.loop_masks:
+                raise ValueError(f"decode_loop with a mask samples n=1 token (got {n}) on one "
+                                 f"device and takes int32[{words}] bits (got "
+                                 f"{allowed_bits.shape})")
+            allowed_bits = self._arg(allowed_bits)
         # All positions of one call in one cache block (see `jllama.graphs.loop`).
         n = min(n, LOOP_CHUNK, config.seq_len - pos, self.block_length - pos % self.block_length)
         draws = np.zeros(LOOP_CHUNK, np.float32)
@@ -85,6 +107,7 @@ class DeviceLoopSteps(JaxState):
             return tuple(self._zero_block if i == cur else blocks[i] for i in range(k))
 
         arg = self._arg
+
         out, count, finite, keys, values = self._programs.decode_loop(
             config, arg(np.int32(token)), arg(np.int32(pos)), arg(np.int32(n)),
             self._loop_embedding, self.layers, tuple(kc[cur] for kc in self.key_cache),
@@ -92,8 +115,8 @@ class DeviceLoopSteps(JaxState):
             tuple(others(kc) for kc in self.key_cache),
             tuple(others(vc) for vc in self.value_cache), arg(np.int32(cur)), self.inv_freq,
             self.rms_final_weight, self.wcls, arg(np.float32(temperature)), arg(np.float32(top_p)),
-            arg(draws), arg(stops), n_steps=LOOP_CHUNK, kind=kind, shards=self._shards,
-            matvec=self.matvec,
+            arg(draws), arg(stops), allowed_bits, n_steps=LOOP_CHUNK, kind=kind,
+            shards=self._shards, matvec=self.matvec,
         )
         for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,
                                       strict=True):
@@ -113,14 +136,17 @@ class DeviceLoopSteps(JaxState):
         table = self.token_embedding_table
         return tp.put(table, tp.classifier_spec(table))
 
-    def compile_loop(self, kind: str = "greedy") -> float:
-        """Compile `decode_loop` for `kind` and the first cache block, by running it once
+    def compile_loop(self, kind: str = "greedy", masked: bool = False) -> float:
+        """Compile `decode_loop` for `kind` (with a grammar's mask if `masked`) and the first
+        cache block, by running it once
         at position 0 (harmless before a sequence starts: position 0 is rewritten by the first
         real step; do not call it in the middle of one). Returns the seconds it took (also
         added to `compile_seconds`). Longer windows compile when the context reaches them."""
         start = time.perf_counter()
-        self.decode_loop(0, 0, 1, kind=kind, coins=[0.0])
-        self._compiled.add(("loop", kind, graphs.attention_blocks(self.config.seq_len, 0)))
+        self.decode_loop(0, 0, 1, kind=kind, coins=[0.0],
+                         allowed_bits=all_allowed(self.config.vocab_size) if masked else None)
+        self._compiled.add(("loop", kind, masked,
+                            graphs.attention_blocks(self.config.seq_len, 0)))
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         return seconds

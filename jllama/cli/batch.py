@@ -3,8 +3,9 @@ given), run --parallel at a time through the `jllama.engine` scheduler, a progre
 stderr.
 
 Each line of the file is a prompt: plain text, or a JSON object with "prompt" and optionally
-"max_tokens", "stop" (a string or a list) and "seed". The sampler flags and the constraint
-(--json_schema, --json, --regex, --grammar) apply to every prompt;
+"max_tokens", "stop" (a string or a list), "seed", "temperature" and "json_schema" (that line's
+own constraint, as vLLM's per-request guided JSON). The sampler flags and the constraint
+(--json_schema, --json, --regex, --grammar) apply to every prompt where its line does not say;
 with --seed, prompt i (from 0) samples with --seed + i (so a line gives the same text in any
 batch), else with a seed from the clock + i; each output line says its seed.
 """
@@ -22,12 +23,13 @@ from jllama.engine import Request, complete_all
 from jllama.errors import JllamaError
 from jllama.files import parse_json, require_regular_file
 from jllama.loading import open_model, required_memory
-from jllama.sampling import seed_from_clock
+from jllama.sampling import SamplerSettingError, check_setting, seed_from_clock
 
 
 def read_prompts(path: str) -> list[dict]:
     """The prompts of `path`: dicts with "prompt" (str) and optional "max_tokens", "stop",
-    "seed".
+    "seed", "temperature" (checked as --temperature) and "grammar" (a
+    `jllama.constrain.Grammar` from the line's "json_schema").
 
     Raises:
       JllamaError: a file that cannot be read or is not UTF-8, a JSON object without a string
@@ -65,6 +67,18 @@ def read_prompts(path: str) -> list[dict]:
                 raise JllamaError(f"{what}: line {number}: stop must be a string or a list of "
                                   "non-empty strings")
             item["stop"] = stop
+            if "temperature" in item:
+                try:
+                    item["temperature"] = check_setting("temperature", item["temperature"])
+                except SamplerSettingError as e:
+                    raise JllamaError(f"{what}: line {number}: temperature {e.reason}") from None
+            if "json_schema" in item:
+                from jllama.constrain import Grammar, GrammarError
+
+                try:
+                    item["grammar"] = Grammar.json_schema(item.pop("json_schema"))
+                except GrammarError as e:
+                    raise JllamaError(f"{what}: line {number}: json_schema: {e}") from None
         prompts.append(item)
     if not prompts:
         raise JllamaError(f"{what}: no prompts (one per line)")
@@ -91,10 +105,12 @@ def main(options: Options) -> int:
                               f"{len(ids)} tokens; it must hold 1 .. {seq_len} (seq_len)")
         seed = item.get("seed", (first_seed + i - 1) % (2**64 - 1) + 1)
         steps = options.text.steps
+        sampler = dataclasses.replace(base, seed=seed, temperature=item.get(
+            "temperature", base.temperature))
         requests.append(Request(
-            ids, dataclasses.replace(base, seed=seed),
-            max_tokens=item.get("max_tokens", steps if steps > 0 else None), stop=item["stop"]
-            if "stop" in item else (), grammar=options.text.grammar,
+            ids, sampler, max_tokens=item.get("max_tokens", steps if steps > 0 else None),
+            stop=item["stop"] if "stop" in item else (),
+            grammar=item.get("grammar", options.text.grammar),
         ))
     n_devices = device_count(run, model.config, several=False)
     say(required_memory(model, n_devices))

@@ -66,9 +66,6 @@ def main(options: Options) -> int:
             f"{tokenizer.vocab_size} tokens; the device sampler cannot skip the padding: use "
             "--decode=graph"
         )
-    if text.grammar is not None and run.decode == "loop" and speak:
-        say("note: --decode=loop cannot mask tokens on the device: the constrained generation "
-            "decodes in graph mode")
     if text.mode == "chat":
         return chat.main(session, sampler, text)
 

@@ -107,6 +107,39 @@ class ConstrainedSampler:
         n = self.vocabulary.n_logits
         return np.unpackbits(bits.view(np.uint8), count=n, bitorder="little").view(bool)
 
+    def next_mask(self) -> np.ndarray | None:
+        """The mask for the next token as llguidance's bits, or None once the grammar is
+        done (only `vocabulary.end_id` can follow). Counted in `masks` and `mask_seconds`.
+
+        Returns:
+          i32[ceil(n_logits / 32)], bit i % 32 of word i // 32 set where id i is allowed (a
+          buffer reused by the next call: copy it to keep it).
+
+        Raises:
+          ConstraintError: the matcher is in its error state.
+        """
+        if self.matcher.is_stopped():
+            return None
+        started = time.perf_counter()
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self._check()
+        self.masks += 1
+        self.mask_seconds += time.perf_counter() - started
+        return self._bits
+
+    def consume(self, token: int) -> None:
+        """Tell the matcher `token` was chosen (timed into `mask_seconds`).
+
+        Raises:
+          ConstraintError: the matcher refuses it.
+        """
+        started = time.perf_counter()
+        if not self.matcher.consume_token(int(token)):
+            message = " | ".join(self.matcher.get_error().split("\n"))
+            raise ConstraintError(f"the {self.grammar.kind} constraint refused token {token}: "
+                                  f"{message}")
+        self.mask_seconds += time.perf_counter() - started
+
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """The next token id among those the grammar allows.
 
@@ -120,24 +153,17 @@ class ConstrainedSampler:
         Raises:
           ConstraintError: as the class says.
         """
-        started = time.perf_counter()
-        if self.matcher.is_stopped():
+        if np.shape(logits)[0] > self.vocabulary.n_logits:
+            raise ConstraintError(f"{np.shape(logits)[0]} logits for a vocabulary of "
+                                  f"{self.vocabulary.n_logits} ids")
+        bits = self.next_mask()
+        if bits is None:
             token = self.vocabulary.end_id
         else:
-            if np.shape(logits)[0] > self.vocabulary.n_logits:
-                raise ConstraintError(f"{np.shape(logits)[0]} logits for a vocabulary of "
-                                      f"{self.vocabulary.n_logits} ids")
-            self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-            self._check()
-            logits = masked(logits, self._bits)
-            self.masks += 1
+            started = time.perf_counter()
+            logits = masked(logits, bits)
             self.mask_seconds += time.perf_counter() - started
             token = int(self._sample(logits, history) if self.uses_history
                         else self._sample(logits))
-            started = time.perf_counter()
-        if not self.matcher.consume_token(token):
-            message = " | ".join(self.matcher.get_error().split("\n"))
-            raise ConstraintError(f"the {self.grammar.kind} constraint refused token {token}: "
-                                  f"{message}")
-        self.mask_seconds += time.perf_counter() - started
+        self.consume(token)
         return token

@@ -145,6 +145,7 @@ def decode_loop(
     top_p: jax.Array,
     coins: jax.Array,
     stop_ids: jax.Array,
+    allowed_bits: jax.Array | None = None,
     *,
     n_steps: int,
     kind: str,
@@ -170,6 +171,10 @@ def decode_loop(
       coins: f32[n_steps], the random draw for each sampled token, in order (unused when
         greedy).
       stop_ids: int32[k], tokens that end the loop once sampled (they are recorded).
+      allowed_bits: None, or a grammar's mask as llguidance writes it, int32[ceil(vocab_size /
+        32)] (bit i % 32 of word i // 32 set where id i may be sampled): the other logits are
+        set to -inf before sampling. It holds for every token of the call, so a constrained
+        generation calls with n = 1 (a new mask per token).
       n_steps: static, the capacity of one call (the chunk size).
       kind: static, one of `SAMPLING_KINDS`.
       shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
@@ -203,11 +208,24 @@ def decode_loop(
         i, _, _, _, _, stopped, _ = carry
         return (i < n) & ~stopped
 
+    allowed = None
+    if allowed_bits is not None:
+        ids = jnp.arange(c.vocab_size, dtype=jnp.int32)
+        allowed = ((allowed_bits[ids // 32] >> (ids % 32)) & 1) != 0
+
     def body(carry):
         i, tok, p, kcs, vcs, _, out = carry
         x, kcs, vcs = layer_pass(_embedding_row(embedding, tok), p, kcs, vcs)
         logits = classifier.__wrapped__(c, x, rms_final_weight, wcls, matvec=matvec)
-        if kind == "greedy" and matvec == "kernel":  # both in one kernel call
+        if allowed is not None:
+            finite = jnp.all(jnp.isfinite(logits))  # the model's logits, before the mask
+            if kind == "greedy" and matvec == "kernel":
+                # The kernel reads an inf as a fault: masked ids get the lowest finite value.
+                nxt, _ = kernels.argmax(jnp.where(allowed, logits, jnp.finfo(jnp.float32).min))
+            else:
+                nxt = sample_on_device(jnp.where(allowed, logits, -jnp.inf), kind, temperature,
+                                       top_p, coins[i], matvec)
+        elif kind == "greedy" and matvec == "kernel":  # both in one kernel call
             nxt, finite = kernels.argmax(logits)
         else:
             finite = jnp.all(jnp.isfinite(logits))

@@ -4,7 +4,9 @@ Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/comple
 `POST /v1/chat/completions`. Responses and stream chunks follow OpenAI's API reference
 (`text_completion`, `chat.completion`, `chat.completion.chunk` objects; server-sent events ending
 with `data: [DONE]`; with `stream_options.include_usage`, a last chunk with `usage` and no
-choices). Every refusal is OpenAI's error JSON (`jllama.server.errors.APIError`) with its
+choices). `response_format` and `tools` constrain the reply (`jllama.server.structured`,
+`jllama.server.tools`); a call comes back as `tool_calls` (`jllama.server.tool_reply`). Every
+refusal is OpenAI's error JSON (`jllama.server.errors.APIError`) with its
 status: 400 for a bad field (named in `param`), 404 for an unknown model or path, 405 for a
 wrong method, 413 for a body over the limit, 503 when the queue is full.
 """

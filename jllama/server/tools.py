@@ -8,8 +8,9 @@ Source: OpenAI API reference, chat completions (`tools`, `tool_choice`, assistan
 The call the model writes is Llama 3.1's format (its template asks for it):
 `{"name": NAME, "parameters": ARGUMENTS}`, one call per reply. The grammar fixes that layout
 (`name` first, `", "` and `": "` separators, no other whitespace around the two keys), so the
-arguments can be streamed as they come: `ToolCallReader` finds the name, then passes on the
-text of the `parameters` value, which becomes `function.arguments` (the model's own text).
+arguments can be streamed as they come: `jllama.server.tool_reply.ToolCallReader` finds the
+name, then passes on the text of the `parameters` value, which becomes `function.arguments`
+(the model's own text). `plan_chat` puts it together for a request.
 
 - "required": the reply is exactly one call of one of the tools (a JSON schema: anyOf over the
   tools of `{"name": const, "parameters": its schema}`).
