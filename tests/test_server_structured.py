@@ -117,6 +117,14 @@ def test_a_stream_equals_the_whole_reply(smollm2):
     jsonschema.validate(json.loads(whole), schema)
 
 
+def test_tool_choice_auto_without_tools_is_plain_structured_output(smollm2):
+    reply = smollm2.chat.completions.create(
+        model="m", messages=ASK, max_tokens=150, temperature=0, tool_choice="auto",
+        response_format=_schema_format(SCHEMAS[5]))
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.tool_calls is None
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMAS[5])
+
+
 def test_json_object_on_both_endpoints(smollm2):
     cat = [{"role": "user", "content": "Describe a cat as a JSON object with its name and age."}]
     chat = smollm2.chat.completions.create(model="m", messages=cat, max_tokens=200,

@@ -258,6 +258,8 @@ def plan_chat(messages: list[dict], tools: Any, tool_choice: Any, response_forma
     """
     checked = parse_tools(tools) if tools not in (None, []) else None  # [] as llama.cpp: none
     mode, name = parse_tool_choice(tool_choice, checked)
+    if checked is None:
+        mode = "none"  # "auto" (or "none") with no tools: nothing to call
     grammar = response_format_grammar(response_format)
     offered = checked if mode != "none" else None
     if mode == "auto" and grammar is not None:
