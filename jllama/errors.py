@@ -40,3 +40,9 @@ class BackendError(JllamaError):
 
 class ChatError(JllamaError, ValueError):
     """A chat template that does not compile or fails as it renders, or a malformed message."""
+
+
+class ConstraintError(JllamaError, RuntimeError):
+    """A grammar's matcher refused a token or entered its error state mid-generation (a
+    grammar too large for its limits, a token it did not allow): the first line of
+    llguidance's message (`jllama.constrain.ConstrainedSampler`)."""

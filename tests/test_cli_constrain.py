@@ -63,3 +63,15 @@ def test_bad_constraints_are_one_line_errors(tmp_path):
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0] and "Traceback" not in done.stderr, (
             args, done.stderr)
+
+
+def test_an_output_cut_short_says_so_and_inline_non_objects_are_refused():
+    cut = run('--json_schema={"type": "object"}', "--steps=4", "--temperature=0")
+    assert cut.returncode == 0 and "before the constraint was complete" in cut.stderr
+    whole = run("--regex=(cat|dog)", "--steps=20", "--temperature=0")
+    assert whole.returncode == 0 and "before the constraint" not in whole.stderr
+    for value, reason in [("[1, 2]", "not list"), ("42", "not int"),
+                          ('{"$ref": "#"}', "matches no text")]:
+        done = run(f"--json_schema={value}", "--steps=4")
+        assert done.returncode == 1 and reason in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1

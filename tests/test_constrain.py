@@ -205,6 +205,23 @@ def test_bad_grammars_are_one_line_errors():
         assert "\n" not in str(info.value) and str(info.value)
 
 
+def test_grammars_that_cannot_be_matched_are_refused_before_generating(session):
+    """A schema that only refers to itself matches no text, `root ::= "a" root` forces an
+    endless one: both refused by `Grammar` (llguidance itself fails only mid-generation).
+    `true` is any value, `false` none (JSON Schema's boolean schemas)."""
+    for kind, text, reason in [
+        ("json_schema", {"$ref": "#"}, "matches no text"),
+        ("json_schema", {"anyOf": [{"$ref": "#"}]}, "matches no text"),
+        ("json_schema", False, "matches no value"),
+        ("gbnf", 'root ::= ("a" root)\n', "forces an endless text"),
+        ("lark", 'start: "a" start', "forces an endless text"),
+    ]:
+        with pytest.raises(GrammarError, match=reason):
+            Grammar.of(kind, text)
+    text, _ = _complete(session, Grammar.json_schema(True), None, max_tokens=60)
+    json.loads(text)
+
+
 def test_without_a_grammar_the_tokens_are_unchanged(session):
     case = next(c for c in load_json("generate_stories260K.json")["cases"]
                 if c["temperature"] == 0.0 and c["prompt"] == "")

@@ -83,6 +83,7 @@ def main(options: Options) -> int:
     if text.output_format == "json":
         for _ in generation:
             pass
+        _note_incomplete(generation, speak)
         print(json.dumps({
             # A prompt from undecodable argv bytes holds surrogates, which JSON can't carry.
             "prompt": text.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
@@ -127,9 +128,19 @@ def main(options: Options) -> int:
     # --steps cutting a character leaves its first bytes: they print nothing, as in a stream.
     out.write(decoder.flush(drop_incomplete=True) + "\n")
     out.flush()
+    _note_incomplete(generation, speak)
     if speak:
         print(rates(generation.stats) + _startup(generation.stats, programs), file=sys.stderr)
     return 0
+
+
+def _note_incomplete(generation, speak: bool) -> None:
+    """A note where --steps or the context cut a constrained output short (what was printed
+    then does not match the constraint, as in llama.cpp)."""
+    constraint = generation.constraint
+    if speak and constraint is not None and not constraint.accepting:
+        say("note: the output ended at --steps or the context before the constraint was "
+            "complete: it does not match it")
 
 
 def _check_mode(text, model, several: bool) -> None:

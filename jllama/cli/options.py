@@ -185,7 +185,8 @@ def _sampling() -> SamplingOptions:
 def constraint() -> Grammar | None:
     """The `Grammar` of the constraint flag given (`CONSTRAINT_FLAGS`), None for none.
 
-    --json_schema takes a file or inline JSON (text starting with "{", or true / false);
+    --json_schema takes a file or inline JSON (an object, or any JSON value, refused unless
+    true / false);
     --grammar a file, GBNF where it holds "::=", else Lark.
 
     Raises:
@@ -209,12 +210,26 @@ def constraint() -> Grammar | None:
         if name == "regex":
             return Grammar.of("regex", value)
         if name == "json_schema":
-            inline = value.strip().startswith("{") or value.strip() in ("true", "false")
+            # Inline JSON: what no schema file's name looks like (an object, an array, a
+            # string, a number, true / false / null); an inline non-object is refused by
+            # Grammar with the reason, not as a missing file.
+            inline = value.strip()[:1] in ('{', '[', '"') or _is_json(value)
             return Grammar.json_schema(value if inline else _read(name, value))
         text = _read(name, value)
         return Grammar.of("gbnf" if "::=" in text else "lark", text)
     except GrammarError as e:
         raise JllamaError(f"--{name}: {e}") from None
+
+
+def _is_json(text: str) -> bool:
+    """Whether `text` is one JSON value (a number, true, null ...), not a file's name."""
+    import json
+
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _read(flag: str, path: str) -> str:

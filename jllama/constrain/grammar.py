@@ -10,10 +10,12 @@ line, before any model runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
 import llguidance
+import numpy as np
 
 from jllama.errors import JllamaError
 
@@ -102,6 +104,10 @@ class Grammar:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean, not "
                                f"{type(schema).__name__}")
+        if schema is False:
+            raise GrammarError("the JSON schema false matches no value")
+        if schema is True:
+            schema = {}  # any value (llguidance takes options on an object schema only)
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         options: dict[str, Any] = {"lenient": True} if lenient else {}
         try:
@@ -113,8 +119,55 @@ class Grammar:
 
     @classmethod
     def _checked(cls, kind: str, source: str, compiled: str) -> Grammar:
+        what = "JSON schema" if kind == "json_schema" else kind
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled)
         if failed:
-            what = "JSON schema" if kind == "json_schema" else kind
             raise GrammarError(f"the {what}: {_one_line(messages[0])}")
+        _probe(what, compiled)
         return cls(kind, source, compiled)
+
+
+FORCED_LIMIT = 10_000
+"""The most bytes a grammar may force before any choice (more: it forces an endless text, as
+`root ::= "a" root`, which llguidance only fails on after 50,000 items mid-generation)."""
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    """A vocabulary of the 256 bytes and an end token: what `_probe` starts a matcher on."""
+    from jllama.constrain.vocabulary import SPECIAL_MARK, _Wrapper
+
+    tokens = [bytes([i]) for i in range(256)] + [SPECIAL_MARK + b"end"]
+    wrapper = _Wrapper(tokens, 256, None, [256], lambda text: list(
+        text.encode("utf-8") if isinstance(text, str) else text))
+    return llguidance.LLTokenizer(wrapper, n_vocab=257, eos_token=[256])
+
+
+def _probe(what: str, compiled: str) -> None:
+    """Start a matcher on `compiled` and take its first mask, so a grammar that matches no
+    text (a schema that only refers to itself) or forces an endless one is refused here, not
+    after the model has loaded and begun.
+
+    Raises:
+      GrammarError: as said.
+    """
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), compiled, log_level=0)
+    if not matcher.is_error():
+        forced = matcher.compute_ff_tokens()
+        if len(forced) > FORCED_LIMIT:
+            raise GrammarError(f"the {what} forces an endless text (more than {FORCED_LIMIT} "
+                               f"bytes before any choice, starting {bytes(forced[:20])!r})")
+        bits = np.zeros(9, np.int32)
+        matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    if matcher.is_error():
+        reason = short_reason(matcher.get_error())
+        if reason == "NoExtensionBias":
+            reason = "it matches no text (a schema that only refers to itself?)"
+        raise GrammarError(f"the {what}: {reason}")
+
+
+def short_reason(message: str) -> str:
+    """The first line of an llguidance matcher error (the rest is its state and the grammar),
+    at most 200 characters."""
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "unknown")
+    return first if len(first) <= 200 else first[:197] + "..."

@@ -17,15 +17,10 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
-from jllama.constrain.grammar import Grammar
+from jllama.constrain.grammar import Grammar, short_reason
 from jllama.constrain.vocabulary import Vocabulary
-from jllama.errors import JllamaError
+from jllama.errors import ConstraintError
 from jllama.sampling.sampler import HistorySampler
-
-
-class ConstraintError(JllamaError, RuntimeError):
-    """The matcher refused a token or entered its error state (a grammar too large for its
-    limits, or a token it did not allow): the message is llguidance's, on one line."""
 
 
 def masked(logits: np.ndarray, bits: np.ndarray) -> np.ndarray:
@@ -87,8 +82,8 @@ class ConstrainedSampler:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            message = " | ".join(self.matcher.get_error().split("\n"))
-            raise ConstraintError(f"the {self.grammar.kind} constraint: {message}")
+            raise ConstraintError(f"the {self.grammar.kind} constraint: "
+                                  f"{short_reason(self.matcher.get_error())}")
 
     @property
     def done(self) -> bool:
@@ -135,9 +130,8 @@ class ConstrainedSampler:
         """
         started = time.perf_counter()
         if not self.matcher.consume_token(int(token)):
-            message = " | ".join(self.matcher.get_error().split("\n"))
             raise ConstraintError(f"the {self.grammar.kind} constraint refused token {token}: "
-                                  f"{message}")
+                                  f"{short_reason(self.matcher.get_error())}")
         self.mask_seconds += time.perf_counter() - started
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jllama.errors import ConstraintError
 from jllama.sampling import SamplerConfig
 from jllama.server.errors import APIError
 from jllama.server.metrics import Metrics
@@ -63,7 +64,8 @@ class Job:
       stop: stop strings.
       logprobs: how many top log-probs per token (0: only the chosen token's), or None: none.
       grammar: a `jllama.constrain.Grammar` the generated text must match (response_format,
-        a tool call), or None.
+        a tool call), or None; grammar_param: the request field it came from (the `param` of
+        a 400 when its matcher fails mid-generation).
       events: where the worker puts `Text`, `Done` or `Failed` (an asyncio.Queue of the loop
         that submitted the job).
     """
@@ -74,6 +76,7 @@ class Job:
     stop: Sequence[str] = ()
     logprobs: int | None = None
     grammar: Grammar | None = None
+    grammar_param: str | None = None
     events: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -184,6 +187,8 @@ class Engine:
                 self._generate(job)
             except APIError as e:
                 job._emit(Failed(e))
+            except ConstraintError as e:  # the request's grammar, not the model
+                job._emit(Failed(APIError(400, str(e), param=job.grammar_param)))
             except Exception as e:  # the model's failure: report it, keep serving
                 job._emit(Failed(APIError(
                     500, f"generation failed: {type(e).__name__}: {e}", type="server_error"

@@ -13,7 +13,7 @@ import queue
 import threading
 
 from jllama.engine import Request, Scheduler
-from jllama.errors import SamplerError
+from jllama.errors import ConstraintError, SamplerError
 from jllama.server.engine import Done, Failed, Job, enqueue
 from jllama.server.errors import APIError
 from jllama.server.metrics import Metrics
@@ -108,9 +108,13 @@ class SlotEngine:
         self.completed += 1
         if stream.error is not None:
             e = stream.error
-            error = (APIError(400, str(e), param="sampler") if isinstance(e, SamplerError)
-                     else APIError(500, f"generation failed: {type(e).__name__}: {e}",
-                                   type="server_error"))
+            if isinstance(e, SamplerError):
+                error = APIError(400, str(e), param="sampler")
+            elif isinstance(e, ConstraintError):  # the request's grammar, not the model
+                error = APIError(400, str(e), param=job.grammar_param)
+            else:
+                error = APIError(500, f"generation failed: {type(e).__name__}: {e}",
+                                 type="server_error")
             job._emit(Failed(error))
             return
         job._emit(Done(stream.finish_reason, len(job.prompt_ids), len(stream.generated_ids),

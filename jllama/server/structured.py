@@ -8,12 +8,14 @@ vLLM's servers do.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from jllama.constrain import Grammar, GrammarError
 from jllama.server.errors import APIError
 
 _PARAM = "response_format"
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def response_format_grammar(value: Any) -> Grammar | None:
@@ -49,8 +51,9 @@ def response_format_grammar(value: Any) -> Grammar | None:
     if not isinstance(spec, dict):
         raise APIError(400, f"{where}: must be an object with 'name' and 'schema'", param=where)
     name = spec.get("name")
-    if not isinstance(name, str) or not name:
-        raise APIError(400, f"{where}.name: must be a non-empty string", param=f"{where}.name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise APIError(400, f"{where}.name: must be 1 to 64 letters, digits, _ or - (OpenAI's "
+                       f"rule), got {name!r}", param=f"{where}.name")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise APIError(400, f"{where}.strict: must be a boolean", param=f"{where}.strict")

@@ -83,6 +83,11 @@ def parse_tools(tools: Any) -> list[dict]:
             raise APIError(400, f"{where}.function.strict: must be a boolean",
                            param=f"{where}.function.strict")
         parameters = function.get("parameters", _EMPTY_PARAMETERS)
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise APIError(400, f"{where}.function.parameters: must be the JSON schema of an "
+                           'object ("type": "object"): the arguments are an object',
+                           param=f"{where}.function.parameters")
+        parameters = {"type": "object", **parameters}
         schema_grammar(parameters, f"{where}.function.parameters", strict=bool(strict))
         out.append({"type": "function", "function": {**function, "parameters": parameters}})
     return out
@@ -180,9 +185,15 @@ def history(messages: list[dict], renders_tools: bool, tools: list[dict] | None)
         item = {k: v for k, v in message.items() if v is not None}
         item["content"] = message.get("content") or ""
         calls = message.get("tool_calls")
+        if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise APIError(400, f"messages[{i}].tool_call_id: a tool message needs the id of "
+                           "the call it answers", param=f"messages[{i}].tool_call_id")
+        if calls is not None and not isinstance(calls, list):
+            raise APIError(400, f"messages[{i}].tool_calls: must be a list of calls",
+                           param=f"messages[{i}].tool_calls")
         if calls is not None:
             parsed = []
-            for j, call in enumerate(calls if isinstance(calls, list) else [None]):
+            for j, call in enumerate(calls):
                 where = f"messages[{i}].tool_calls[{j}]"
                 function = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
