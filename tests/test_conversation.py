@@ -123,9 +123,10 @@ def test_each_turn_compiles_before_it_starts_and_the_replies_do_not_change(smoll
         calls = []
         compile_for = b.compile_for
 
-        def recorded(prompt_len, last, kind=None, chunked=True, start=0):
+        def recorded(prompt_len, last, kind=None, chunked=True, start=0, masked=False):
             calls.append((prompt_len, last, start))
-            return compile_for(prompt_len, last, kind, chunked=chunked, start=start)
+            return compile_for(prompt_len, last, kind, chunked=chunked, start=start,
+                               masked=masked)
 
         b.compile_for = recorded
         session = Session(model, b, decode="graph", compile_ahead=warm)

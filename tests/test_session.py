@@ -73,7 +73,7 @@ class PlanningBackend(ScriptedBackend):
         self.calls.append(("prefill", list(tokens), start_pos))
         return self.logits(tokens[-1], start_pos + len(tokens) - 1)
 
-    def compile_for(self, prompt_len, last, kind=None, chunked=True, start=0):
+    def compile_for(self, prompt_len, last, kind=None, chunked=True, start=0, masked=False):
         self.calls.append(("compile_for", prompt_len, last, kind, chunked, start))
         return 0.0
 
@@ -82,9 +82,10 @@ class LoopBackend(PlanningBackend):
     """PlanningBackend with a device loop that samples greedily by the same rule."""
 
     loop_chunk = 4
+    loop_masks = False  # a grammar decodes in graph mode here
 
     def decode_loop(self, token, pos, n, kind="greedy", temperature=1.0, top_p=1.0, coins=None,
-                    stop_ids=()):
+                    stop_ids=(), allowed_bits=None):
         self.calls.append(("decode_loop", token, pos, n, kind))
         ids = []
         for _ in range(min(n, self.loop_chunk)):
@@ -95,7 +96,7 @@ class LoopBackend(PlanningBackend):
                 break
         return ids, True
 
-    def compile_loop(self, kind="greedy"):
+    def compile_loop(self, kind="greedy", masked=False):
         self.calls.append(("compile_loop", kind))
         return 0.0
 
