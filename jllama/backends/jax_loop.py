@@ -107,7 +107,6 @@ class DeviceLoopSteps(JaxState):
             return tuple(self._zero_block if i == cur else blocks[i] for i in range(k))
 
         arg = self._arg
-
         out, count, finite, keys, values = self._programs.decode_loop(
             config, arg(np.int32(token)), arg(np.int32(pos)), arg(np.int32(n)),
             self._loop_embedding, self.layers, tuple(kc[cur] for kc in self.key_cache),

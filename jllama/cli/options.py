@@ -223,10 +223,10 @@ def constraint() -> Grammar | None:
 
 def _is_json(text: str) -> bool:
     """Whether `text` is one JSON value (a number, true, null ...), not a file's name."""
-    import json
+    from jllama.files import parse_json
 
     try:
-        json.loads(text)
+        parse_json(text)
     except ValueError:
         return False
     return True
