@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench, llama-quantize, llama-perplexity and llama-simple, the
+# Build llama.cpp's llama-bench, llama-quantize, llama-perplexity, llama-simple, llama-cli and
+# llama-server, the
 # reference programs in bench/NOTES.md ("llama.cpp on this machine").
 #
 #   pip download --no-deps --no-binary :all: llama-cpp-python   (its vendor/llama.cpp), or
@@ -42,6 +43,6 @@ mkdir -p "$out"
 nice -n 10 cmake -S "$src" -B "$out" -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
   -DLLAMA_CURL=OFF -DGGML_OPENMP=ON -DBUILD_SHARED_LIBS=OFF >/dev/null
 nice -n 10 cmake --build "$out" -j "$(nproc)" \
-  --target llama-bench llama-quantize llama-perplexity llama-simple >/dev/null
-echo "$out/bin/llama-bench $out/bin/llama-quantize $out/bin/llama-perplexity $out/bin/llama-simple" \
+  --target llama-bench llama-quantize llama-perplexity llama-simple llama-cli llama-server >/dev/null
+echo "$out/bin/llama-{bench,quantize,perplexity,simple,cli,server}" \
   "($arch, from $(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo "$src"))"
