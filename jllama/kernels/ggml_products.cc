@@ -53,16 +53,27 @@ void ggml_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_
   }
 }
 
-// Groups of 8 rows in an x8 layout: rows [begin, end), both multiples of 8.
+// Groups of 8 rows in an x8 layout: rows [begin, end), both multiples of 8; two groups at a
+// time in 512-bit registers where the build has them (ggml_x8.h's Z16: the same bits as one).
 template <int32_t T, bool Stream>
 void ggml_groups(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_t end) {
 #if JLLAMA_Q_AVX2
   const uint8_t* rows = part.data - part.first * part.row_bytes;
   const int64_t group_bytes = 8 * part.row_bytes;
-  for (int64_t r = begin; r < end; r += 8) {
+  const ggml::Activations& qx = g.qx[ggml::activation_kind(T)];
+  int64_t r = begin;
+#if JLLAMA_Q_Z16
+  for (; r + 16 <= end; r += 16) {
+    const uint8_t* group = rows + r * part.row_bytes;
+    if (Stream) prefetch_stream(group, 2 * group_bytes);
+    float* const ys[1] = {g.y + r};
+    ggml::x16_dot_n<T, 1>(group, group_bytes, &qx, ys);
+  }
+#endif
+  for (; r < end; r += 8) {
     const uint8_t* group = rows + r * part.row_bytes;
     if (Stream) prefetch_stream(group, group_bytes);
-    ggml::x8_dot<T>(group, g.qx[ggml::activation_kind(T)], g.y + r);
+    ggml::x8_dot<T>(group, qx, g.y + r);
   }
 #endif
 }
@@ -245,11 +256,36 @@ void matmul_group(const GgmlMatmul& g, const GgmlPart& part, const uint8_t* grou
 #endif
 }
 
+#if JLLAMA_Q_Z16
+// Groups r / 8 and r / 8 + 1 with tokens t0 .. t0 + NT - 1.
+template <int32_t T, int NT>
+void matmul_pair(const GgmlMatmul& g, const GgmlPart& part, const uint8_t* group, int64_t r,
+                 int64_t t0) {
+  const ggml::Activations* xs = &g.qx[ggml::activation_kind(T)][t0];
+  float* ys[NT];
+  for (int t = 0; t < NT; ++t) ys[t] = g.y + (t0 + t) * g.m + r;
+  ggml::x16_dot_n<T, NT>(group, 8 * part.row_bytes, xs, ys);
+}
+#endif
+
 template <int32_t T>
 void matmul_groups(const GgmlMatmul& g, const GgmlPart& part, int64_t begin, int64_t end) {
 #if JLLAMA_Q_AVX2
   const uint8_t* rows = part.data - part.first * part.row_bytes;
-  for (int64_t r = begin; r < end; r += 8) {
+  int64_t r = begin;
+#if JLLAMA_Q_Z16
+  // 16 rows by 8 tokens: a pair's weights are decoded once for 8 tokens and stay in L1 while
+  // the tokens' activations stream from L2.
+  for (; r + 16 <= end; r += 16) {
+    const uint8_t* group = rows + r * part.row_bytes;
+    int64_t t = 0;
+    for (; t + 8 <= g.tokens; t += 8) matmul_pair<T, 8>(g, part, group, r, t);
+    if (g.tokens - t >= 4) matmul_pair<T, 4>(g, part, group, r, t), t += 4;
+    if (g.tokens - t >= 2) matmul_pair<T, 2>(g, part, group, r, t), t += 2;
+    if (g.tokens - t >= 1) matmul_pair<T, 1>(g, part, group, r, t);
+  }
+#endif
+  for (; r < end; r += 8) {
     const uint8_t* group = rows + r * part.row_bytes;
     int64_t t = 0;
     for (; t + 4 <= g.tokens; t += 4) matmul_group<T, 4>(g, part, group, r, t);

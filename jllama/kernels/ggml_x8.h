@@ -224,43 +224,242 @@ inline __m256i load256(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// The 8 rows of group `w` (its n / block elements tiles) dotted with NT activation vectors x[t]:
-// y[t][0..7]. The weights are decoded once for all NT (a prefill chunk's tokens share them);
-// per token and block, the integer dot products are summed in int32, then scaled into 8 float
-// lanes, each block's offset or minimum subtracted from the same lanes, in block order: the same
-// operations for any NT, so a token's result does not depend on the others beside it.
-template <int32_t T, int NT>
-inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+// ---------------------------------------------------------------------------------------------
+// The kernels, written once over the width they run at: `Y8` holds one x8 group (8 rows) in
+// 256-bit registers, `Z16` two neighbouring groups (16 rows: group g in the low half, g + 1 in
+// the high half) in 512-bit registers (AVX-512 with VNNI only). Every lane (a row) goes through
+// the same operations in the same order in both, so a row's result has the same bits whichever
+// width computes it: decode, prefill and the batched step may pair groups differently (a
+// thread's rows may start at an odd group) and still agree bit for bit.
+//
+// Why 16 rows: a 512-bit dpbusd advances 16 rows by 4 values where a 256-bit one advances 8, and
+// the work around the dot products (a block's scale per row, the weights' unpacking, the token's
+// broadcasts) is spent once for 16 rows. Per block and token the float work is one conversion
+// and one multiply-add into a per-super-block sum whose scales are the rows' own (shared by all
+// tokens); the token's step and the K-quants' minimums (an exact integer dot of the rows'
+// minimums with the token's sums per 32, int16 pairs) come in once per super-block.
+
+struct Y8 {
+  static constexpr int kGroups = 1;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* w, int64_t, int64_t at) { return load256(w + at); }
+  // The 8 float16 of each group at byte `at` of its tile, as float32 lanes.
+  static F halves(const uint8_t* w, int64_t, int64_t at) { return f16x8(w + at); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I set8(int8_t v) { return _mm256_set1_epi8(v); }
+  static I bcast4(const int8_t* p) { return ggml::bcast4(p); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I srl4(I a) { return _mm256_srli_epi16(a, 4); }
+  static I srl16(I a, int k) { return srli16(a, k); }
+  static I sll4(I a) { return _mm256_slli_epi16(a, 4); }
+  static I bit_to_0x10(I bits, int k) { return ggml::bit_to_0x10(bits, k); }
+  static I sign(I a, I b) { return _mm256_sign_epi8(a, b); }
+  // u8 x s8 products summed per 4 into int32 (VNNI's dpbusd, or maddubs + madd without it:
+  // then u must be small enough for the int16 pair sums, as in `Dots`).
+  static I dp(I acc, I u, I s) { return ggml::dp(acc, u, s); }
+  // int16 pairs: acc + a.lo * b.lo + a.hi * b.hi per int32 lane.
+  static I dpw(I acc, I a, I b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+  }
+  // Lane r: the int16 pair (a's byte r, b's byte r), bytes unsigned or signed; one u64 of 8 row
+  // bytes per group.
+  template <bool Signed>
+  static I pairs(const uint64_t* a, const uint64_t* b) {
+    const __m128i v = _mm_unpacklo_epi8(_mm_cvtsi64_si128(static_cast<int64_t>(a[0])),
+                                        _mm_cvtsi64_si128(static_cast<int64_t>(b[0])));
+    return Signed ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+  }
+  // The row bytes (one u64 per group) as float32 lanes.
+  template <bool Signed>
+  static F bytes(const uint64_t* v) { return bytes8<Signed>(v[0]); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fset1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void store(float* y, F v) { _mm256_storeu_ps(y, v); }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define JLLAMA_Q_Z16 1
+struct Z16 {
+  static constexpr int kGroups = 2;
+  using I = __m512i;
+  using F = __m512;
+  // `pair`: bytes from group g's tile to group g + 1's (8 rows of the matrix).
+  static I load(const uint8_t* w, int64_t pair, int64_t at) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(w + at)), load256(w + pair + at), 1);
+  }
+  static F halves(const uint8_t* w, int64_t pair, int64_t at) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + pair + at));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I set8(int8_t v) { return _mm512_set1_epi8(v); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I srl4(I a) { return _mm512_srli_epi16(a, 4); }
+  static I srl16(I a, int k) {
+    switch (k) {  // immediates, as srli16
+      case 0: return a;
+      case 1: return _mm512_srli_epi16(a, 1);
+      case 2: return _mm512_srli_epi16(a, 2);
+      case 3: return _mm512_srli_epi16(a, 3);
+      case 4: return _mm512_srli_epi16(a, 4);
+      case 5: return _mm512_srli_epi16(a, 5);
+      case 6: return _mm512_srli_epi16(a, 6);
+      default: return _mm512_srli_epi16(a, 7);
+    }
+  }
+  static I sll4(I a) { return _mm512_slli_epi16(a, 4); }
+  static I bit_to_0x10(I bits, int k) {
+    const I b = _mm512_and_si512(bits, _mm512_set1_epi8(static_cast<char>(1 << k)));
+    switch (k) {
+      case 0: return _mm512_slli_epi16(b, 4);
+      case 1: return _mm512_slli_epi16(b, 3);
+      case 2: return _mm512_slli_epi16(b, 2);
+      case 3: return _mm512_slli_epi16(b, 1);
+      case 4: return b;
+      case 5: return _mm512_srli_epi16(b, 1);
+      case 6: return _mm512_srli_epi16(b, 2);
+      default: return _mm512_srli_epi16(b, 3);
+    }
+  }
+  static I dp(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I dpw(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
+  template <bool Signed>
+  static I pairs(const uint64_t* a, const uint64_t* b) {
+    const __m256i lo = Y8::pairs<Signed>(a, b), hi = Y8::pairs<Signed>(a + 1, b + 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  template <bool Signed>
+  static F bytes(const uint64_t* v) {
+    const __m128i b = _mm_set_epi64x(static_cast<int64_t>(v[1]), static_cast<int64_t>(v[0]));
+    return _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fset1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static void store(float* y, F v) { _mm512_storeu_ps(y, v); }
+};
+#endif
+
+// Integer dot products of one block and token: with VNNI each chunk goes straight into int32;
+// without it (AVX2's maddubs) `Every` chunks' int16 pair sums are added before they are widened
+// (see `Dots`). The integer sums are the same either way.
+template <class V, int Every>
+struct VDots {
+  typename V::I s = V::zero();
+#if !JLLAMA_Q_VNNI
+  typename V::I p = V::zero();
+  int pending = 0;
+#endif
+  inline void add(typename V::I u, typename V::I a) {
+#if JLLAMA_Q_VNNI
+    s = V::dp(s, u, a);
+#else
+    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, a));
+    if (++pending == Every) flush();
+#endif
+  }
+  inline void flush() {
+#if !JLLAMA_Q_VNNI
+    if (pending) {
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+      p = _mm256_setzero_si256();
+      pending = 0;
+    }
+#endif
+  }
+  inline typename V::I sums() {
+    flush();
+    return s;
+  }
+};
+
+// The 8 row bytes of every group at byte `at` of its tile (`V::kGroups` u64).
+template <class V>
+inline void row_bytes(const uint8_t* w, int64_t pair, int64_t at, uint64_t* out) {
+  for (int g = 0; g < V::kGroups; ++g) out[g] = load_u64(w + g * pair + at);
+}
+
+// The int16 pair (a, b) in one int32, for `dpw` against the rows' pairs.
+inline int32_t pack16(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint16_t>(a) | (static_cast<uint32_t>(b) << 16));
+}
+
+// The rows of `V::kGroups` groups (group g's tiles at w + g * pair; n / block elements tiles
+// each) dotted with NT activation vectors x[t]: y[t][0 .. 8 * kGroups - 1]. The weights are
+// decoded once for all NT (a prefill chunk's tokens, or a batch's rows, share them); per token
+// the integer dot products are exact (int32) and the float work runs in block order, the same
+// operations for any NT and width, so a token's row does not depend on the tokens beside it or on
+// which width computed it.
+//
+// Per token, with dx its step (per 32 for Q8_0-style activations, per 256 for Q8_K):
+//   Q8_0 / Q4_0 / Q5_0  acc += float(dot) * (d * dx), then (offsets) acc -= d * (o * dx * sum)
+//   Q4_1 / Q5_1         the same, then acc += m * s (Q8_1's float16 s = dx * sum)
+//   Q4_K / Q5_K         per super-block: t = sum_j float(dot_j) * (d * sc_j) in sub-block order,
+//                       acc += t * dx, acc -= (dmin * float(sum_j m_j * bsum_j)) * dx
+//   Q6_K                per super-block: t = sum_k float(dot_k) * float(sc_k) (dot over v =
+//                       q + 32), t -= 32 * float(sum_k sc_k * bsum_k), acc += t * (d * dx)
+template <class V, int32_t T, int NT>
+inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* const* y) {
+  using I = typename V::I;
+  using F = typename V::F;
+  const I low4 = V::set8(0x0F);
+  F acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = V::fzero();
   const int64_t n = x[0].n;
   if constexpr (T == Q8_0) {
     for (int64_t b = 0; b < n / 32; ++b, w += 272) {
-      __m256i s[NT];
-      for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+      I s[NT];
+      for (int t = 0; t < NT; ++t) s[t] = V::zero();
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {
-        const __m256i q = load256(w + 16 + 32 * k);
+        const I q = V::load(w, pair, 16 + 32 * k);
 #if JLLAMA_Q_VNNI
         // q + 128 as unsigned (one xor for all tokens); the 128 * sum(a) it adds is taken off
         // below, in integers.
-        const __m256i u = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
-        for (int t = 0; t < NT; ++t) s[t] = dp(s[t], u, bcast4(x[t].q + 32 * b + 4 * k));
+        const I u = V::xor_(q, V::set8(static_cast<int8_t>(0x80)));
+        for (int t = 0; t < NT; ++t) s[t] = V::dp(s[t], u, V::bcast4(x[t].q + 32 * b + 4 * k));
 #else
-        const __m256i u = _mm256_sign_epi8(q, q);
+        const I u = V::sign(q, q);
         for (int t = 0; t < NT; ++t)
-          s[t] = dp(s[t], u, _mm256_sign_epi8(bcast4(x[t].q + 32 * b + 4 * k), q));
+          s[t] = V::dp(s[t], u, V::sign(V::bcast4(x[t].q + 32 * b + 4 * k), q));
 #endif
       }
-      const __m256 d = f16x8(w);
+      const F d = V::halves(w, pair, 0);
       for (int t = 0; t < NT; ++t) {
 #if JLLAMA_Q_VNNI
         const int32_t sum = x[t].s16[2 * b] + x[t].s16[2 * b + 1];
-        s[t] = _mm256_sub_epi32(s[t], _mm256_set1_epi32(128 * sum));
+        s[t] = V::sub32(s[t], V::set1(128 * sum));
 #endif
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])),
-                                 acc[t]);
+        acc[t] = V::fma(V::cvt(s[t]), V::mul(d, V::fset1(x[t].d[b])), acc[t]);
       }
     }
   } else if constexpr (T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1) {
@@ -269,99 +468,118 @@ inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
     constexpr int64_t tile = qs_at + 128;
     constexpr float offset = T == Q4_0 ? 8.0f : T == Q5_0 ? 16.0f : 0.0f;
     for (int64_t b = 0; b < n / 32; ++b, w += tile) {
-      Dots<five ? 4 : 8> s[NT];
-      const __m256i qh = five ? load256(w + qh_at) : _mm256_setzero_si256();
+      VDots<V, five ? 4 : 8> s[NT];
+      const I qh = five ? V::load(w, pair, qh_at) : V::zero();
 #pragma GCC unroll 8
-      for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3 of the 8 rows
-        const __m256i q = load256(w + qs_at + 32 * (k % 4));
-        __m256i v = _mm256_and_si256(k < 4 ? q : _mm256_srli_epi16(q, 4), low4);
-        if (five) v = _mm256_or_si256(v, bit_to_0x10(qh, k));
-        for (int t = 0; t < NT; ++t) s[t].add(v, bcast4(x[t].q + 32 * b + 4 * k));
+      for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3 of the rows
+        const I q = V::load(w, pair, qs_at + 32 * (k % 4));
+        I v = V::and_(k < 4 ? q : V::srl4(q), low4);
+        if (five) v = V::or_(v, V::bit_to_0x10(qh, k));
+        for (int t = 0; t < NT; ++t) s[t].add(v, V::bcast4(x[t].q + 32 * b + 4 * k));
       }
-      const __m256 d = f16x8(w);
-      const __m256 m = min ? f16x8(w + 16) : _mm256_setzero_ps();
+      const F d = V::halves(w, pair, 0);
+      const F m = min ? V::halves(w, pair, 16) : V::fzero();
       for (int t = 0; t < NT; ++t) {
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t].sums()),
-                                 _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b])), acc[t]);
-        if (min) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].ds[b]), acc[t]);
-        else acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(offset * x[t].ds[b]), acc[t]);
+        acc[t] = V::fma(V::cvt(s[t].sums()), V::mul(d, V::fset1(x[t].d[b])), acc[t]);
+        if (min) acc[t] = V::fma(m, V::fset1(x[t].ds[b]), acc[t]);
+        else acc[t] = V::fnma(d, V::fset1(offset * x[t].ds[b]), acc[t]);
       }
     }
   } else if constexpr (T == Q4_K || T == Q5_K) {
     constexpr bool five = T == Q5_K;
     constexpr int64_t qs_at = five ? 384 : 128, tile = five ? 1408 : 1152;
+    constexpr uint64_t m6 = 0x3F3F3F3F3F3F3F3Full, m4 = 0x0F0F0F0F0F0F0F0Full;
+    constexpr uint64_t m2 = 0x0303030303030303ull;
     for (int64_t sb = 0; sb < n / 256; ++sb, w += tile) {
-      const __m256 d = f16x8(w), dmin = f16x8(w + 16);
-      uint64_t p[12];
-      for (int i = 0; i < 12; ++i) p[i] = load_u64(w + 32 + 8 * i);
+      // ggml's get_scale_min_k4 on 8 rows' bytes at once, per group: sc[j], mn[j].
+      uint64_t p[12][V::kGroups], sc[8][V::kGroups], mn[8][V::kGroups];
+      for (int i = 0; i < 12; ++i) row_bytes<V>(w, pair, 32 + 8 * i, p[i]);
+      for (int g = 0; g < V::kGroups; ++g)
+        for (int j = 0; j < 8; ++j) {
+          if (j < 4) {
+            sc[j][g] = p[j][g] & m6;
+            mn[j][g] = p[j + 4][g] & m6;
+          } else {
+            sc[j][g] = (p[j + 4][g] & m4) | (((p[j - 4][g] >> 6) & m2) << 4);
+            mn[j][g] = ((p[j + 4][g] >> 4) & m4) | (((p[j][g] >> 6) & m2) << 4);
+          }
+        }
+      const F d = V::halves(w, pair, 0), dmin = V::halves(w, pair, 16);
+      F part[NT];
+      for (int t = 0; t < NT; ++t) part[t] = V::fzero();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {  // sub-block j: values 32j .. 32j + 31
         const int g = j / 2, half = j % 2;
-        Dots<five ? 4 : 8> s[NT];
+        VDots<V, five ? 4 : 8> s[NT];
         for (int c = 0; c < 8; ++c) {
-          const __m256i q = load256(w + qs_at + 256 * g + 32 * c);
-          __m256i v = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, low4);
-          if (five) {
-            const __m256i h = load256(w + 128 + 32 * c);
-            v = _mm256_or_si256(v, bit_to_0x10(h, j));
-          }
-          for (int t = 0; t < NT; ++t) s[t].add(v, bcast4(x[t].q + 256 * sb + 32 * j + 4 * c));
+          const I q = V::load(w, pair, qs_at + 256 * g + 32 * c);
+          I v = V::and_(half ? V::srl4(q) : q, low4);
+          if (five) v = V::or_(v, V::bit_to_0x10(V::load(w, pair, 128 + 32 * c), j));
+          for (int t = 0; t < NT; ++t) s[t].add(v, V::bcast4(x[t].q + 256 * sb + 32 * j + 4 * c));
         }
-        // ggml's get_scale_min_k4 on all 8 rows' bytes at once.
-        constexpr uint64_t m6 = 0x3F3F3F3F3F3F3F3Full, m4 = 0x0F0F0F0F0F0F0F0Full;
-        constexpr uint64_t m2 = 0x0303030303030303ull;
-        uint64_t sc, mn;
-        if (j < 4) {
-          sc = p[j] & m6;
-          mn = p[j + 4] & m6;
-        } else {
-          sc = (p[j + 4] & m4) | (((p[j - 4] >> 6) & m2) << 4);
-          mn = ((p[j + 4] >> 4) & m4) | (((p[j] >> 6) & m2) << 4);
-        }
-        const __m256 dsc = _mm256_mul_ps(d, bytes8<false>(sc));
-        const __m256 dmn = _mm256_mul_ps(dmin, bytes8<false>(mn));
-        const int64_t b = 8 * sb + j;
-        for (int t = 0; t < NT; ++t) {
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t].sums()),
-                                   _mm256_mul_ps(dsc, _mm256_set1_ps(x[t].d[b])), acc[t]);
-          acc[t] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(x[t].ds[b]), acc[t]);
-        }
+        const F dsc = V::mul(d, V::template bytes<false>(sc[j]));
+        for (int t = 0; t < NT; ++t) part[t] = V::fma(V::cvt(s[t].sums()), dsc, part[t]);
+      }
+      I mins[4];
+      for (int k = 0; k < 4; ++k) mins[k] = V::template pairs<false>(mn[2 * k], mn[2 * k + 1]);
+      for (int t = 0; t < NT; ++t) {
+        const int16_t* s16 = x[t].s16 + 16 * sb;
+        I msum = V::zero();
+        for (int k = 0; k < 4; ++k)  // sums of sub-blocks 2k and 2k + 1
+          msum = V::dpw(msum, mins[k], V::set1(pack16(s16[4 * k] + s16[4 * k + 1],
+                                                      s16[4 * k + 2] + s16[4 * k + 3])));
+        const F dx = V::fset1(x[t].d[8 * sb]);
+        acc[t] = V::fma(part[t], dx, acc[t]);
+        acc[t] = V::fnma(V::mul(dmin, V::cvt(msum)), dx, acc[t]);
       }
     }
   } else if constexpr (T == Q6_K) {
-    const __m256i two = _mm256_set1_epi8(3);
+    const I three = V::set8(3);
     for (int64_t sb = 0; sb < n / 256; ++sb, w += 1680) {
-      const __m256 d = f16x8(w);
+      uint64_t scales[16][V::kGroups];
+      for (int k = 0; k < 16; ++k) row_bytes<V>(w, pair, 16 + 8 * k, scales[k]);
+      F part[NT];
+      for (int t = 0; t < NT; ++t) part[t] = V::fzero();
       for (int nh = 0; nh < 2; ++nh) {      // half of the super-block: values 128 nh ..
         for (int h = 0; h < 2; ++h) {       // 16-value halves of its activation blocks
 #pragma GCC unroll 4
           for (int v = 0; v < 4; ++v) {     // values 128 nh + 32 v + 16 h ..: one scale each
-            const int64_t b = 8 * sb + 4 * nh + v;
-            Dots<2> s[NT];
+            VDots<V, 2> s[NT];
             for (int c = 4 * h; c < 4 * h + 4; ++c) {
-              const __m256i q = load256(w + 144 + 512 * nh + 32 * (c + 8 * (v % 2)));
-              const __m256i H = load256(w + 1168 + 256 * nh + 32 * c);
-              const __m256i lo = _mm256_and_si256(v < 2 ? q : _mm256_srli_epi16(q, 4), low4);
-              const __m256i hi = _mm256_and_si256(srli16(H, 2 * v), two);
-              const __m256i val = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+              const I q = V::load(w, pair, 144 + 512 * nh + 32 * (c + 8 * (v % 2)));
+              const I H = V::load(w, pair, 1168 + 256 * nh + 32 * c);
+              const I lo = V::and_(v < 2 ? q : V::srl4(q), low4);
+              const I hi = V::and_(V::srl16(H, 2 * v), three);
+              const I val = V::or_(lo, V::sll4(hi));
               for (int t = 0; t < NT; ++t)
-                s[t].add(val, bcast4(x[t].q + 256 * sb + 128 * nh + 32 * v + 4 * c));
+                s[t].add(val, V::bcast4(x[t].q + 256 * sb + 128 * nh + 32 * v + 4 * c));
             }
-            const int k = 8 * nh + 2 * v + h;  // the scale of these 16 values
-            const __m256 sc = _mm256_mul_ps(d, bytes8<true>(load_u64(w + 16 + 8 * k)));
-            for (int t = 0; t < NT; ++t) {
-              acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t].sums()),
-                                       _mm256_mul_ps(sc, _mm256_set1_ps(x[t].d[b])), acc[t]);
-              acc[t] = _mm256_fnmadd_ps(
-                  sc, _mm256_set1_ps(32.0f * x[t].d[b] * static_cast<float>(x[t].s16[2 * b + h])),
-                  acc[t]);
-            }
+            const F sc = V::template bytes<true>(scales[8 * nh + 2 * v + h]);
+            for (int t = 0; t < NT; ++t) part[t] = V::fma(V::cvt(s[t].sums()), sc, part[t]);
           }
         }
       }
+      I sc16[8];
+      for (int k = 0; k < 8; ++k) sc16[k] = V::template pairs<true>(scales[2 * k], scales[2 * k + 1]);
+      const F d = V::halves(w, pair, 0);
+      for (int t = 0; t < NT; ++t) {
+        // sum_k sc_k * (the token's sum over the 16 values of scale k): exact in int32.
+        const int16_t* s16 = x[t].s16 + 16 * sb;
+        I off = V::zero();
+        for (int k = 0; k < 8; ++k) off = V::dpw(off, sc16[k], V::set1(pack16(s16[2 * k], s16[2 * k + 1])));
+        const F whole = V::fnma(V::cvt(off), V::fset1(32.0f), part[t]);
+        acc[t] = V::fma(whole, V::mul(d, V::fset1(x[t].d[8 * sb])), acc[t]);
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(y[t], acc[t]);
+  for (int t = 0; t < NT; ++t) V::store(y[t], acc[t]);
+}
+
+// Rows of the groups at `group` (8 * kGroups rows; `pair` bytes from one group's tiles to the
+// next's) with NT tokens' activations: y[t] + 0 .. 8 * kGroups - 1.
+template <int32_t T, int NT>
+inline void x8_dot_n(const uint8_t* w, const Activations* x, float* const* y) {
+  xdot_n<Y8, T, NT>(w, 0, x, y);
 }
 
 template <int32_t T>
@@ -369,6 +587,14 @@ inline void x8_dot(const uint8_t* w, const Activations& x, float* y) {
   float* const ys[1] = {y};
   x8_dot_n<T, 1>(w, &x, ys);
 }
+
+#if JLLAMA_Q_Z16
+// Groups g and g + 1 (16 rows) at once: `pair` = 8 * the row's bytes.
+template <int32_t T, int NT>
+inline void x16_dot_n(const uint8_t* w, int64_t pair, const Activations* x, float* const* y) {
+  xdot_n<Z16, T, NT>(w, pair, x, y);
+}
+#endif
 
 #endif  // JLLAMA_Q_AVX2
 
