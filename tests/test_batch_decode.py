@@ -249,7 +249,7 @@ def _ggml(kind, m, n, rng, repack):
 def test_matvec_batch_ggml_rows_equal_matvec(kind, repack):
     """The batched product of GGML blocks: each row, with each prologue and the residual, is
     `matvec`'s bits for that row alone (its activations quantized alone), rows from count on
-    are zeros; batches of 1 to 9 rows (the 4-row passes and the rest)."""
+    are zeros; batches of 1 to 33 rows (the 4- and 8-row passes, 16-row tiles and the rest)."""
     from jllama import kernels
     from jllama.kernels import batched as batch_kernels
 
@@ -259,7 +259,8 @@ def test_matvec_batch_ggml_rows_equal_matvec(kind, repack):
     w = _ggml(kind, m, n, rng, repack)
     assert batch_kernels.batch_supported(w)
     norm = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-    for batch, live in ((1, 1), (8, 6), (9, 9), (16, 0)):
+    # 33 rows: two 16-token tile blocks (AMX where the CPU has it) and one token after them.
+    for batch, live in ((1, 1), (8, 6), (9, 9), (16, 0), (33, 33)):
         x = rng.standard_normal((batch, n)).astype(np.float32)
         gate = rng.standard_normal((batch, n)).astype(np.float32)
         add = rng.standard_normal((batch, m)).astype(np.float32)

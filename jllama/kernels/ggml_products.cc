@@ -10,6 +10,7 @@
 #include "simd.h"
 #include "ggml_dequantize.h"
 #include "ggml_x8.h"
+#include "ggml_amx.h"
 
 namespace jllama {
 namespace {
@@ -173,6 +174,15 @@ ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, 
       if (g.parts[k].rows % 8 != 0)
         return ffi::Error::InvalidArgument(
             "jllama ggml product: with an x8 part, every part's rows must be a multiple of 8");
+#if JLLAMA_Q_Z16
+  // Two groups per unit where every part has whole pairs (the 512-bit kernels' 16 rows; a
+  // unit of 8 would leave each thread's blocks a group at a time).
+  if (g.unit == 8) {
+    bool pairs = true;
+    for (int k = 0; k < g.n_parts; ++k) pairs = pairs && g.parts[k].rows % 16 == 0;
+    if (pairs) g.unit = 16;
+  }
+#endif
   return ffi::Error::Success();
 }
 
@@ -274,11 +284,26 @@ void matmul_groups(const GgmlMatmul& g, const GgmlPart& part, int64_t begin, int
   const uint8_t* rows = part.data - part.first * part.row_bytes;
   int64_t r = begin;
 #if JLLAMA_Q_Z16
+  int64_t amx_tokens = 0;  // the first tokens, 16 at a time, by tile instructions
+#if JLLAMA_Q_AMX
+  constexpr int k = ggml::amx_k(T);
+  std::unique_ptr<ggml::AmxTiles> tiles;
+  const std::vector<ggml::Activations>& xs = g.qx[ggml::activation_kind(T)];
+  if (k > 0 && g.tokens >= 16 && r + 16 <= end && ggml::amx_ready()) {
+    const int64_t stride = xs[1].q - xs[0].q;  // quantize_tokens lays the tokens out evenly
+    amx_tokens = g.tokens / 16 * 16;
+    tiles.reset(new ggml::AmxTiles(k));
+    thread_local ggml::AmxScratch scratch;
+    for (int64_t p = r; p + 16 <= end; p += 16)
+      ggml::amx_pair<T>(rows + p * part.row_bytes, 8 * part.row_bytes, xs.data(), stride,
+                        amx_tokens / 16, g.y + p, g.m, scratch);
+  }
+#endif
   // 16 rows by 8 tokens: a pair's weights are decoded once for 8 tokens and stay in L1 while
   // the tokens' activations stream from L2.
   for (; r + 16 <= end; r += 16) {
     const uint8_t* group = rows + r * part.row_bytes;
-    int64_t t = 0;
+    int64_t t = amx_tokens;
     for (; t + 8 <= g.tokens; t += 8) matmul_pair<T, 8>(g, part, group, r, t);
     if (g.tokens - t >= 4) matmul_pair<T, 4>(g, part, group, r, t), t += 4;
     if (g.tokens - t >= 2) matmul_pair<T, 2>(g, part, group, r, t), t += 2;

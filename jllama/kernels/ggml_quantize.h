@@ -21,6 +21,7 @@ struct Activations {
   const float* d;
   const int16_t* s16;
   const float* ds;
+  const int16_t* s32;  // sum(q) per 32 (s16's pairs added): the K-quants' minimums take pairs
   int64_t n;
 };
 
@@ -51,7 +52,8 @@ inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
 // Bytes of scratch `quantize` needs for n activations (all four arrays, 64-byte aligned).
 inline int64_t activation_bytes(int64_t n) {
-  return align64(n) + align64(n / 32 * 4) + align64(n / 16 * 2) + align64(n / 32 * 4);
+  return align64(n) + align64(n / 32 * 4) + align64(n / 16 * 2) + align64(n / 32 * 4) +
+         align64(n / 32 * 2);
 }
 
 // Rounds y * mul to nearest even (the MXCSR's default mode) into int8 q, `count` values (a
@@ -117,6 +119,8 @@ inline Activations quantize(const float* x, int64_t n, uint8_t* scratch, int kin
   int16_t* s16 = reinterpret_cast<int16_t*>(scratch + align64(n) + align64(n / 32 * 4));
   float* ds =
       reinterpret_cast<float*>(scratch + align64(n) + align64(n / 32 * 4) + align64(n / 16 * 2));
+  int16_t* s32 = reinterpret_cast<int16_t*>(scratch + align64(n) + align64(n / 32 * 4) +
+                                            align64(n / 16 * 2) + align64(n / 32 * 4));
   if (kind == kQ8_K) {
     for (int64_t s = 0; s < n / 256; ++s) {
       const float* xs = x + 256 * s;
@@ -152,6 +156,7 @@ inline Activations quantize(const float* x, int64_t n, uint8_t* scratch, int kin
     }
     s16[2 * b] = static_cast<int16_t>(lo);
     s16[2 * b + 1] = static_cast<int16_t>(hi);
+    s32[b] = static_cast<int16_t>(lo + hi);
     if (kind == kQ8_1) {  // s = d * sum(q) in float16, d before its own rounding
       const float amax = max_abs(x + 32 * b, 32);
       ds[b] = round_fp16(amax / 127.0f * static_cast<float>(lo + hi));
@@ -159,7 +164,7 @@ inline Activations quantize(const float* x, int64_t n, uint8_t* scratch, int kin
       ds[b] = d[b] * static_cast<float>(lo + hi);
     }
   }
-  return Activations{q, d, s16, ds, n};
+  return Activations{q, d, s16, ds, s32, n};
 }
 
 }  // namespace ggml

@@ -408,9 +408,12 @@ inline void row_bytes(const uint8_t* w, int64_t pair, int64_t at, uint64_t* out)
   for (int g = 0; g < V::kGroups; ++g) out[g] = load_u64(w + g * pair + at);
 }
 
-// The int16 pair (a, b) in one int32, for `dpw` against the rows' pairs.
-inline int32_t pack16(int32_t a, int32_t b) {
-  return static_cast<int32_t>(static_cast<uint16_t>(a) | (static_cast<uint32_t>(b) << 16));
+// The int16 pair p[0], p[1] as one int32 (p[0] in the low half), for `dpw` against the rows'
+// pairs.
+inline int32_t pair32(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 // The rows of `V::kGroups` groups (group g's tiles at w + g * pair; n / block elements tiles
@@ -523,11 +526,10 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
       I mins[4];
       for (int k = 0; k < 4; ++k) mins[k] = V::template pairs<false>(mn[2 * k], mn[2 * k + 1]);
       for (int t = 0; t < NT; ++t) {
-        const int16_t* s16 = x[t].s16 + 16 * sb;
+        const int16_t* s32 = x[t].s32 + 8 * sb;
         I msum = V::zero();
         for (int k = 0; k < 4; ++k)  // sums of sub-blocks 2k and 2k + 1
-          msum = V::dpw(msum, mins[k], V::set1(pack16(s16[4 * k] + s16[4 * k + 1],
-                                                      s16[4 * k + 2] + s16[4 * k + 3])));
+          msum = V::dpw(msum, mins[k], V::set1(pair32(s32 + 2 * k)));
         const F dx = V::fset1(x[t].d[8 * sb]);
         acc[t] = V::fma(part[t], dx, acc[t]);
         acc[t] = V::fnma(V::mul(dmin, V::cvt(msum)), dx, acc[t]);
@@ -566,7 +568,7 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
         // sum_k sc_k * (the token's sum over the 16 values of scale k): exact in int32.
         const int16_t* s16 = x[t].s16 + 16 * sb;
         I off = V::zero();
-        for (int k = 0; k < 8; ++k) off = V::dpw(off, sc16[k], V::set1(pack16(s16[2 * k], s16[2 * k + 1])));
+        for (int k = 0; k < 8; ++k) off = V::dpw(off, sc16[k], V::set1(pair32(s16 + 2 * k)));
         const F whole = V::fnma(V::cvt(off), V::fset1(32.0f), part[t]);
         acc[t] = V::fma(whole, V::mul(d, V::fset1(x[t].d[8 * sb])), acc[t]);
       }
