@@ -2,9 +2,10 @@
 (random weights, `bench/scale_models.py`), Q4_K_M and Q8_0, alternated in one run; JSON lines.
 
     .venv/bin/python bench/scale.py --models=1B,3B,8B --types=Q4_K_M,Q8_0 --reps=3 \\
-        --llamacpp_bin=/path/to/llama.cpp-build/bin --out=scale.jsonl
-    JLLAMA... --build=x86-64-v3 --llamacpp_bin=/path/to/llama.cpp-build-v3/bin ...
-    .venv/bin/python bench/scale_table.py scale.jsonl --plot=scale.png
+        --llamacpp_bin=/path/to/llama.cpp-build/bin --out=scale-native.jsonl
+    .venv/bin/python bench/scale.py --build=x86-64-v3 \\
+        --llamacpp_bin=/path/to/llama.cpp-build-v3/bin --out=scale-avx2.jsonl
+    .venv/bin/python bench/scale_table.py scale-native.jsonl scale-avx2.jsonl --plot=scale.png
 
 For each model x type, after reading the file once (page cache warm) and one untimed run of
 each first-token program (jllama's compile cache filled), each repetition runs, alternating
@@ -254,8 +255,8 @@ class Run:
             if program == "jllama":
                 own = _last_json(ran["stdout"])
                 if not own or len(own.get("generated_ids", ())) != 1:
-                    self.fail(key, program, f"generated {own.get('generated_ids') if own else 'no JSON'}, "
-                                            "not one token")
+                    got = own.get("generated_ids") if own else "no JSON"
+                    self.fail(key, program, f"generated {got}, not one token")
                     continue
                 record.update({k: own.get(k) for k in ("first_token_seconds", "load_seconds",
                                                        "compile_seconds", "startup_seconds")})
@@ -302,15 +303,15 @@ class Run:
             test = records[-1]
             common = {**key, "program": "llama-bench", "rep": rep, "load1": load1,
                       "peak_rss_mb": ran["peak_rss_mb"], "type_k": test.get("type_k"),
-                      "flash_attn": test.get("flash_attn"), "build_commit": test.get("build_commit"),
-                      "value": value}
+                      "flash_attn": test.get("flash_attn"),
+                      "build_commit": test.get("build_commit"), "value": value}
             if kind == "prefill":
                 self.emit({**common, "metric": "prefill_tok_s", "tokens": point.prompt_tokens})
             else:
                 self.emit({**common, "metric": "decode_tok_s", "depth": point.decode_depth,
                            "tokens": a.decode_tokens})
-            log(f"  llama-bench {kind} {point.prompt_tokens if kind == 'prefill' else point.decode_depth}: "
-                f"{value:.2f} tok/s")
+            where = point.prompt_tokens if kind == "prefill" else point.decode_depth
+            log(f"  llama-bench {kind} {where}: {value:.2f} tok/s")
 
 
 def _last_json(text: str) -> dict | None:

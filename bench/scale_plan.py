@@ -219,15 +219,16 @@ FIELDS = {"first_token": ("wall_s", "peak_rss_mb"), "decode_tok_s": ("value",),
 
 
 def point_key(record: dict) -> tuple:
-    """(model, type, metric, tokens or depth) of a measurement record: what pairs it with the
-    other programs' records of the same point."""
+    """(build, model, type, metric, tokens or depth) of a measurement record: what pairs it
+    with the other programs' records of the same point."""
     where = record.get("depth", record.get("tokens"))
-    return (record.get("model"), record.get("type"), record["metric"], where)
+    return (record.get("build"), record.get("model"), record.get("type"), record["metric"], where)
 
 
 def summaries(records: Iterable[dict]) -> list[dict]:
     """One "summary" record per point, figure and other program: the medians of jllama's and
-    the other's values and the per-repetition ratios jllama / other (pairs by "rep").
+    the other's values and the per-repetition ratios jllama / other (pairs by "rep"; a
+    repetition seen twice for a program: the last one read).
 
     Records that are not measurements (meta, model, error, summary) are ignored; a point
     without jllama or without the other program gives no summary."""
@@ -240,7 +241,7 @@ def summaries(records: Iterable[dict]) -> list[dict]:
         groups.setdefault(point_key(r), {}).setdefault(r["program"], {})[r.get("rep", 0)] = r
     out = []
     for key, programs in groups.items():
-        model, qtype, metric, where = key
+        build, model, qtype, metric, where = key
         ours = programs.get("jllama", {})
         for other in OTHERS[metric]:
             theirs = programs.get(other, {})
@@ -253,8 +254,8 @@ def summaries(records: Iterable[dict]) -> list[dict]:
                 pairs = ratios(a, b)
                 mine = [v for v in (x.get(field) for x in ours.values()) if _positive(v)]
                 them = [v for v in (x.get(field) for x in theirs.values()) if _positive(v)]
-                record = {"metric": "summary", "of": metric, "field": field, "model": model,
-                          "type": qtype, "other": other,
+                record = {"metric": "summary", "of": metric, "field": field, "build": build,
+                          "model": model, "type": qtype, "other": other,
                           "jllama": statistics.median(mine) if mine else None,
                           "other_value": statistics.median(them) if them else None,
                           "ratio_median": statistics.median(pairs) if pairs else None,
