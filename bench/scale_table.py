@@ -9,8 +9,8 @@ is jllama's median, llama.cpp's median and the median of the per-repetition rati
 llama.cpp (for first token and RSS, lower is better: the ratio is still jllama / llama.cpp).
 The plot (matplotlib): per type a row of three panels: decode tok/s against the model's
 bytes per token (a line per depth), decode tok/s against depth (a line per model), prefill
-tok/s against the model's size (a line per prompt length); jllama solid, llama.cpp dashed,
-log-scaled tok/s.
+tok/s against the model's size (a line per prompt length); jllama solid with filled dots,
+llama.cpp dashed with open squares, log-scaled tok/s.
 
 Bad input (a missing file, no scale.py measurements in it, a --plot that is not a .png in a
 folder that exists) is one line on stderr and exit status 1.
@@ -144,6 +144,7 @@ def plot(records: list[dict], path: Path) -> None:
     rows = sorted(data)
     fig, axes = plt.subplots(len(rows), 3, figsize=(15, 4.2 * len(rows)), squeeze=False)
     style = {"jllama": "-", "llama.cpp": "--"}
+    marker = {"jllama": {"marker": "o"}, "llama.cpp": {"marker": "s", "fillstyle": "none"}}
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax_row, (build, qtype) in zip(axes, rows):
         panels = data[build, qtype]
@@ -151,7 +152,8 @@ def plot(records: list[dict], path: Path) -> None:
         for i, (depth, programs) in enumerate(sorted(panels["decode"].items())):
             for program, points in programs.items():
                 ax.plot([p[1] / 1e9 for p in points], [p[2] for p in points], style[program],
-                        marker="o", color=colours[i % len(colours)], label=f"{program} @ {depth}")
+                        **marker[program], color=colours[i % len(colours)],
+                        label=f"{program} @ {depth}")
         ax.set_xlabel("GB read per token")
         ax.set_title(f"decode tok/s against model size ({qtype}, {build})")
         ax = ax_row[1]
@@ -163,15 +165,17 @@ def plot(records: list[dict], path: Path) -> None:
         models = sorted({m for m, _ in by_model}, key=lambda m: MODEL_ORDER.get(m, 9))
         for (model, program), points in sorted(by_model.items()):
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], style[program], marker="o",
-                    color=colours[models.index(model) % len(colours)], label=f"{program} {model}")
+            ax.plot([p[0] for p in points], [p[1] for p in points], style[program],
+                    **marker[program], color=colours[models.index(model) % len(colours)],
+                    label=f"{program} {model}")
         ax.set_xlabel("depth (tokens in the cache)")
         ax.set_title(f"decode tok/s against depth ({qtype}, {build})")
         ax = ax_row[2]
         for i, (tokens, programs) in enumerate(sorted(panels["prefill"].items())):
             for program, points in programs.items():
                 ax.plot([p[1] / 1e9 for p in points], [p[2] for p in points], style[program],
-                        marker="o", color=colours[i % len(colours)], label=f"{program} pp{tokens}")
+                        **marker[program], color=colours[i % len(colours)],
+                        label=f"{program} pp{tokens}")
         ax.set_xlabel("GB read per token")
         ax.set_title(f"prefill tok/s against model size ({qtype}, {build})")
         for ax in ax_row:

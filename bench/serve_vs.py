@@ -8,8 +8,10 @@ For each repetition, model and server in turn (jllama first), the server starts 
 port of 127.0.0.1, serves one warm-up request, then each --clients level: that many
 concurrent clients (`serve_load.run_level`: asyncio tasks, one HTTP connection each,
 requests one after another) send --requests streamed chat completions in all, greedy
-(temperature 0), max_tokens 64, `ignore_eos: true` (llama-server's; jllama's server ignores
-the field), `stream_options.include_usage` to count the tokens each reply really had. Then it
+(temperature 0), max_tokens 64, `ignore_eos: true` (llama-server's field, which jllama's
+server takes too: every reply 64 tokens long; on the random-weight files greedy replies
+otherwise end early), `stream_options.include_usage` to count the tokens each reply really
+had. Then it
 is stopped (SIGINT) before the other starts, so the two never share the cores.
 
 How the two are set up, so that they do the same work:
@@ -55,7 +57,9 @@ sys.path.insert(0, str(HERE))
 
 import scale_models  # bench/ is not a package: its modules by file name
 from cli import BenchError, Parser, guarded, positive_int, writable_file
-from scale_plan import BUILDS, csv_ints, ratios
+from scale_plan import BUILDS, csv_ints, csv_names, ratios
+
+SERVERS = ("jllama", "llama-server")
 
 CHAT_PROMPTS = [
     "Write a long story about a dragon who learns to cook.",
@@ -206,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=4096, help="positions per slot")
     p.add_argument("--threads", type=int, default=2, help="llama-server's -t")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--servers", default="jllama,llama-server",
+                   help="which of jllama, llama-server to run (both: the comparison)")
     p.add_argument("--build", default="native", choices=BUILDS)
     p.add_argument("--llamacpp_bin", type=Path, default=None,
                    help="llama.cpp's bin folder (default: bench/.cache/llama.cpp-build[-v3]/bin)")
@@ -217,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         raise BenchError(str(e)) from None
     if not clients:
         raise BenchError("--clients: give at least one level")
+    try:
+        servers = csv_names("--servers", args.servers, SERVERS)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     for flag in ("requests", "max_tokens", "parallel", "context", "threads", "reps"):
         positive_int(f"--{flag}", getattr(args, flag))
     bin_dir = args.llamacpp_bin or DEFAULT_BIN[args.build]
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
           **machine_facts(HERE / ".cache")})
     for rep in range(1, args.reps + 1):
         for name, path in models.items():
-            for server in ("jllama", "llama-server"):
+            for server in servers:
                 print(f"[rep {rep} {name}] {server}", file=sys.stderr, flush=True)
                 if server == "jllama":
                     process, url, model = start_server(
