@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     run.emit(head)
     for (name, qtype), path in args.files.items():
         key = {"model": name, "type": qtype, "build": args.build}
-        run.emit(model_line(name, qtype, path, head.get("read_gb_s")))
+        run.emit({**model_line(name, qtype, path, head.get("read_gb_s")), "build": args.build})
         log(f"[{name} {qtype}] {path}")
         if args.warmup:
             warm_page_cache(path)

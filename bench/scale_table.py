@@ -74,7 +74,7 @@ def markdown(records: list[dict]) -> str:
     depths = sorted({s["depth"] for s in summaries if s["of"] == "decode_tok_s"})
     prefills = sorted({s["tokens"] for s in summaries if s["of"] == "prefill_tok_s"})
     first = any(s["of"] == "first_token" for s in summaries)
-    ceilings = {(r.get("model"), r.get("type")): r.get("ceiling_tok_s")
+    ceilings = {(r.get("build"), r.get("model"), r.get("type")): r.get("ceiling_tok_s")
                 for r in records if r.get("metric") == "model"}
     header = ["build", "model", "type"]
     if first:
@@ -98,7 +98,7 @@ def markdown(records: list[dict]) -> str:
                       fmt(cli_rss["other_value"]) if cli_rss else ""]
         cells += [_cell(get("decode_tok_s", "value", "llama-bench", d)) for d in depths]
         cells += [_cell(get("prefill_tok_s", "value", "llama-bench", n)) for n in prefills]
-        ceiling = ceilings.get((model, qtype))
+        ceiling = ceilings.get((build, model, qtype))
         cells.append(fmt(ceiling) if ceiling else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
