@@ -71,11 +71,20 @@ def stop_server(process: subprocess.Popen) -> None:
         process.kill()
 
 
-async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> dict:
+def _piece(choice: dict) -> str:
+    """The text a streamed choice carries: a completion's `text`, a chat chunk's delta."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def one_request(http: httpx.AsyncClient, url: str, body: dict,
+                      path: str = "/completions") -> dict:
+    """One streamed request (a completion, or a chat completion with path
+    "/chat/completions"): {"latency", "ttft" (to the first chunk with text), "tokens" (the
+    usage's completion_tokens; 0 when the server sent no usage)}."""
     start = time.perf_counter()
     first = None
     tokens = 0
-    async with http.stream("POST", url + "/completions", json=body) as response:
+    async with http.stream("POST", url + path, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -83,32 +92,38 @@ async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> dict:
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(event["error"]["message"])
-            if first is None and event["choices"] and event["choices"][0]["text"]:
+            if first is None and event.get("choices") and _piece(event["choices"][0]):
                 first = time.perf_counter() - start
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     return {"latency": time.perf_counter() - start, "ttft": first, "tokens": tokens}
 
 
-async def run_level(url: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:
+def completion_body(model: str, i: int, max_tokens: int) -> dict:
+    """Request i of a level: a sampled completion of one of PROMPTS."""
+    return {
+        "model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+        "temperature": 0.8, "seed": 1 + i, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def run_level(url: str, model: str, clients: int, requests: int, max_tokens: int,
+                    body=completion_body, path: str = "/completions") -> dict:
+    """`clients` concurrent clients sending `requests` requests in all (at least one each),
+    `body(model, i, max_tokens)` the i-th, after one warm-up request; the level's figures.
+    short_replies counts the requests that got fewer than max_tokens tokens."""
     total = max(requests, clients)
     counter = iter(range(total))
     results: list[dict] = []
 
-    def body(i: int) -> dict:
-        return {
-            "model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
-            "temperature": 0.8, "seed": 1 + i, "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-
     async def client() -> None:
         async with httpx.AsyncClient(timeout=600) as http:
             for i in counter:
-                results.append(await one_request(http, url, body(i)))
+                results.append(await one_request(http, url, body(model, i, max_tokens), path))
 
     async with httpx.AsyncClient(timeout=600) as http:  # warm-up, not counted
-        await one_request(http, url, body(0))
+        await one_request(http, url, body(model, 0, max_tokens), path)
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
     wall = time.perf_counter() - start
@@ -122,6 +137,7 @@ async def run_level(url: str, model: str, clients: int, requests: int, max_token
         "ttft_s_median": round(statistics.median(ttfts), 4) if ttfts else None,
         "latency_s_median": round(statistics.median(latencies), 4),
         "latency_s_max": round(max(latencies), 4),
+        "short_replies": sum(r["tokens"] < max_tokens for r in results),
     }
 
 

@@ -105,6 +105,16 @@ def test_greedy_completion_equals_the_cli(client, prompt):
     )
 
 
+def test_ignore_eos_goes_on_to_max_tokens(client):
+    # The CLI's greedy run of this prompt stops at an end-of-text id before 230 tokens.
+    want = cli_generate("The sun was hot", 230, "--temperature=0")
+    assert len(want["generated_ids"]) < 230
+    got = client.completions.create(model=MODEL, prompt="The sun was hot", max_tokens=230,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 230
+    assert got.choices[0].text.startswith(want["text"])
+
+
 def test_default_max_tokens_is_openais_16(client):
     got = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
     assert got.usage.completion_tokens == 16

@@ -79,3 +79,19 @@ def test_a_vanished_client_frees_its_slot_and_metrics_count(server):
     assert values["jllama_generation_tokens_total"] > 0
     assert values["jllama_prompt_tokens_total"] > 0
     assert values['jllama_requests_finished_total{finish_reason="length"}'] >= 1
+
+
+
+def test_ignore_eos_goes_on_to_max_tokens(server):
+    # Greedy "The sun was hot" ends with an end-of-text id after ~200 of these 240 tokens
+    # (the CLI's greedy run stops there too); ignore_eos (llama.cpp server's field) goes on.
+    body = {"model": MODEL, "prompt": "The sun was hot", "max_tokens": 240, "temperature": 0}
+    with httpx.Client(timeout=TIMEOUT) as http:
+        plain = http.post(server.url + "/v1/completions", json=body).json()
+        forced = http.post(server.url + "/v1/completions", json={**body, "ignore_eos": True})
+    forced = forced.json()
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    assert plain["usage"]["completion_tokens"] < 240
+    assert forced["choices"][0]["finish_reason"] == "length"
+    assert forced["usage"]["completion_tokens"] == 240
+    assert forced["choices"][0]["text"].startswith(plain["choices"][0]["text"])

@@ -201,7 +201,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         check_length(ids, "prompt", max_tokens)
         job = Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs,
-                  grammar=grammar, grammar_param="response_format")
+                  ignore_eos=body.ignore_eos, grammar=grammar, grammar_param="response_format")
         submit(job)
         ident, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
 
@@ -254,7 +254,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                      if body.max_completion_tokens else "max_tokens")
         job = Job(ids, sampler, max_tokens, stop=body.stop,
                   logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                  grammar=plan.grammar,
+                  ignore_eos=body.ignore_eos, grammar=plan.grammar,
                   grammar_param="tools" if plan.offers_tools else "response_format")
         submit(job)
         ident, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())

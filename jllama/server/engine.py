@@ -63,6 +63,8 @@ class Job:
       max_tokens: the most tokens to generate (None: until the context is full).
       stop: stop strings.
       logprobs: how many top log-probs per token (0: only the chosen token's), or None: none.
+      ignore_eos: go on past the end-of-generation ids (llama.cpp server's request field, for
+        fixed-length benchmarks).
       grammar: a `jllama.constrain.Grammar` the generated text must match (response_format,
         a tool call), or None; grammar_param: the request field it came from (the `param` of
         a 400 when its matcher fails mid-generation).
@@ -75,6 +77,7 @@ class Job:
     max_tokens: int | None
     stop: Sequence[str] = ()
     logprobs: int | None = None
+    ignore_eos: bool = False
     grammar: Grammar | None = None
     grammar_param: str | None = None
     events: asyncio.Queue | None = None
@@ -205,6 +208,7 @@ class Engine:
         completion = self.session.complete(
             job.prompt_ids, job.sampler, max_tokens=job.max_tokens, stop=job.stop,
             logprobs=job.logprobs, cancelled=job.cancelled.is_set, grammar=job.grammar,
+            ignore_eos=job.ignore_eos,
         )
         for piece in completion:
             job._emit(piece)

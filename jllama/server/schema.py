@@ -11,7 +11,7 @@ so a value the CLI refuses is refused here with the same reason (`top_p: must be
 limits narrow three ranges (temperature at most 2, presence/frequency penalties in [-2, 2],
 logit_bias in [-100, 100]); top_logprobs [0, 20] and at most 4 stop strings are OpenAI's too. The
 extra samplers (top_k, min_p, repeat_penalty, penalty_last_n, samplers) are llama.cpp server's
-names.
+names, and so is ignore_eos (go on past the end-of-generation ids, for fixed-length benchmarks).
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class _Sampling(_Strict):
     n: Annotated[int | None, _refuse(lambda n: n == 1, "only n=1 is supported")] = None
     samplers: list[str] | None = None
     user: str | None = None
+    ignore_eos: bool = False  # llama.cpp server's: go on past the end-of-generation ids
 
     @field_validator("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                      "presence_penalty", "frequency_penalty", "penalty_last_n", "samplers")

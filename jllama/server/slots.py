@@ -87,7 +87,7 @@ class SlotEngine:
                 else:
                     stream = self._scheduler.submit(Request(
                         job.prompt_ids, job.sampler, max_tokens=job.max_tokens, stop=job.stop,
-                        logprobs=job.logprobs, grammar=job.grammar,
+                        logprobs=job.logprobs, ignore_eos=job.ignore_eos, grammar=job.grammar,
                     ))
                     self._jobs[id(stream)] = job
                 continue  # take every job that is there before the next round
