@@ -25,6 +25,9 @@
 // about 1 ulp, simd.h; std::exp in the plain build); then the tiles' value rows widened, and
 // for each query head o[d] += p_t v_t[d] in t order.
 
+#include <array>
+#include <utility>
+
 #include "cache_rows.h"
 #include "kernels.h"
 #include "simd.h"
@@ -91,23 +94,54 @@ inline float* thread_area(int slot, int64_t floats) {
   return a.data;
 }
 
-// Rows t .. t + k - 1 (k <= 16) of key head g of `cache` as float32 rows of hp floats, zero past
-// head_dim, rows k .. 15 zero: float32 rows of hp values in one block in place, else widened
-// into `tile` (f32[16 * hp]).
+// Rows t .. t + k - 1 (k <= 16) of key head g of `cache` as float32 rows of hp floats into
+// tile (f32[16 * hp]), zero past head_dim, rows k .. 15 zero; widen(row, out) widens one row.
+template <typename Widen>
+inline void widen_tile(const Cache& cache, int64_t g, int64_t t, int64_t k, int64_t hd,
+                       int64_t hp, float* tile, Widen widen) {
+  int64_t b = t / cache.block, o = t % cache.block;
+  const uint8_t* row = cache.base(b) + (g * cache.block + o) * cache.row_bytes;
+  for (int64_t j = 0; j < k; ++j) {
+    widen(row, tile + j * hp);
+    if (hd < hp) std::fill(tile + j * hp + hd, tile + (j + 1) * hp, 0.0f);
+    if (++o == cache.block) {
+      ++b, o = 0;
+      row = cache.base(b) + g * cache.block * cache.row_bytes;
+    } else {
+      row += cache.row_bytes;
+    }
+  }
+  if (k < kRowTile) std::fill(tile + k * hp, tile + kRowTile * hp, 0.0f);
+}
+
+// widen_tile of `cache`'s type; float32 rows of hp values in one block are read in place.
 inline const float* load_tile(const Cache& cache, int64_t g, int64_t t, int64_t k, int64_t hd,
                               int64_t hp, float* tile) {
-  int64_t b = t / cache.block, o = t % cache.block;
-  if (cache.type == RowType::kF32 && hd == hp && k == kRowTile && o + k <= cache.block)
-    return reinterpret_cast<const float*>(cache.base(b) + (g * cache.block + o) * cache.row_bytes);
-  for (int64_t j = 0; j < kRowTile; ++j) {
-    float* row = tile + j * hp;
-    if (j >= k) {
-      std::fill(row, row + hp, 0.0f);
-      continue;
+  switch (cache.type) {
+    case RowType::kF32: {
+      const int64_t o = t % cache.block;
+      if (hd == hp && k == kRowTile && o + k <= cache.block)
+        return reinterpret_cast<const float*>(cache.base(t / cache.block) +
+                                              (g * cache.block + o) * cache.row_bytes);
+      widen_tile(cache, g, t, k, hd, hp, tile, [hd](const uint8_t* row, float* out) {
+        std::memcpy(out, row, sizeof(float) * hd);
+      });
+      break;
     }
-    widen_row(cache.type, cache.base(b) + (g * cache.block + o) * cache.row_bytes, hd, row);
-    std::fill(row + hd, row + hp, 0.0f);
-    if (++o == cache.block) ++b, o = 0;
+    case RowType::kF16:
+      widen_tile(cache, g, t, k, hd, hp, tile, [hd](const uint8_t* row, float* out) {
+        widen_values(reinterpret_cast<const Half*>(row), 0, hd, out);
+      });
+      break;
+    case RowType::kBF16:
+      widen_tile(cache, g, t, k, hd, hp, tile, [hd](const uint8_t* row, float* out) {
+        widen_values(reinterpret_cast<const uint16_t*>(row), 0, hd, out);
+      });
+      break;
+    case RowType::kQ8_0:
+      widen_tile(cache, g, t, k, hd, hp, tile,
+                 [hd](const uint8_t* row, float* out) { widen_q8_0(row, 0, hd, out); });
+      break;
   }
   return tile;
 }
@@ -142,31 +176,48 @@ inline __m256 sum_lanes8(const __m256* a) {
 }
 #endif
 
-// s[j] = q . rows[j] for the 16 rows of a tile (f32[16, hp]); q: f32[hp].
-inline void scores16(const float* q, const float* rows, int64_t hp, float* s) {
+// s_m[j] = q_m . rows[j] for the 16 rows of a tile (f32[16, hp]) and the query heads m <
+// heads (q_m = q + m * hp, s_m = s + m * kSpan). HP: hp when known at compile time (the
+// addresses of the 16 rows are then constant offsets, not 16 pointers), else 0.
+template <int64_t HP>
+void scores_tile(const float* q, int64_t heads, const float* rows, int64_t hp_given, float* s) {
+  const int64_t hp = HP ? HP : hp_given;
+  for (int64_t m = 0; m < heads; ++m, q += hp, s += kSpan) {
 #if JLLAMA_AVX512
-  __m512 acc[kRowTile];
-  for (int j = 0; j < kRowTile; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < hp; d += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int j = 0; j < kRowTile; ++j)
-      acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + j * hp + d), qv, acc[j]);
-  }
-  _mm512_storeu_ps(s, sum_lanes16(acc));
-#elif JLLAMA_AVX2
-  for (int half = 0; half < 2; ++half) {
-    const float* r = rows + 8 * half * hp;
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hp; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(r + j * hp + d), qv, acc[j]);
+    __m512 acc[kRowTile];
+    for (int j = 0; j < kRowTile; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hp; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int j = 0; j < kRowTile; ++j)
+        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + j * hp + d), qv, acc[j]);
     }
-    _mm256_storeu_ps(s + 8 * half, sum_lanes8(acc));
-  }
+    _mm512_storeu_ps(s, sum_lanes16(acc));
+#elif JLLAMA_AVX2
+    for (int half = 0; half < 2; ++half) {
+      const float* r = rows + 8 * half * hp;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < hp; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j)
+          acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(r + j * hp + d), qv, acc[j]);
+      }
+      _mm256_storeu_ps(s + 8 * half, sum_lanes8(acc));
+    }
 #else
-  for (int j = 0; j < kRowTile; ++j) s[j] = dot_head(q, rows + j * hp, hp);
+    for (int j = 0; j < kRowTile; ++j) s[j] = dot_head(q, rows + j * hp, hp);
 #endif
+  }
+}
+
+using ScoresTile = void (*)(const float*, int64_t, const float*, int64_t, float*);
+
+// scores_tile for rows of hp floats.
+inline ScoresTile scores_for(int64_t hp) {
+  static constexpr ScoresTile kKnown[8] = {scores_tile<16>, scores_tile<32>, scores_tile<48>,
+                                           scores_tile<64>, scores_tile<80>, scores_tile<96>,
+                                           scores_tile<112>, scores_tile<128>};
+  return hp <= 128 ? kKnown[hp / 16 - 1] : scores_tile<0>;
 }
 
 // s[t] = exp(s[t] - M) for t < n, M = max_t s[t]; *top = M, *sum = sum_t s[t] (in 16 lanes,
@@ -227,25 +278,68 @@ inline void exp_span(float* s, int64_t n, float* top, float* sum) {
 #endif
 }
 
-// out[d] += sum_{j < k} p[j] rows[j, d] for d < hp, j in order; rows: f32[16, hp].
-inline void accumulate(const float* p, int64_t k, const float* rows, int64_t hp, float* out) {
+// For the query heads m < heads: out_m[d] += sum_{j < k} p_m[j] rows[j, d] for d < hp, j in
+// order (p_m = p + m * kSpan, out_m = out + m * out_stride); rows: f32[16, hp]. In blocks of
+// up to 4 heads by 4 registers of columns, whose sums stay in registers for the k rows: the
+// multiply-adds of a sum depend on each other, so a block keeps up to 16 chains going at once.
+#if JLLAMA_AVX512 || JLLAMA_AVX2
 #if JLLAMA_AVX512
-  for (int64_t d = 0; d < hp; d += 16) {
-    __m512 acc = _mm512_loadu_ps(out + d);
-    for (int64_t j = 0; j < k; ++j)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(rows + j * hp + d), acc);
-    _mm512_storeu_ps(out + d, acc);
-  }
-#elif JLLAMA_AVX2
-  for (int64_t d = 0; d < hp; d += 8) {
-    __m256 acc = _mm256_loadu_ps(out + d);
-    for (int64_t j = 0; j < k; ++j)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows + j * hp + d), acc);
-    _mm256_storeu_ps(out + d, acc);
+using Vec = __m512;
+constexpr int kVec = 16;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfmadd(float a, Vec b, Vec c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+#else
+using Vec = __m256;
+constexpr int kVec = 8;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfmadd(float a, Vec b, Vec c) { return _mm256_fmadd_ps(_mm256_set1_ps(a), b, c); }
+#endif
+// AVX2 has 16 registers: 4 heads by 2 registers of columns.
+constexpr int kBlockHeads = 4, kBlockCols = kVec == 16 ? 4 : 2;
+
+template <int M, int C>
+void accumulate_block(const float* p, int64_t k, const float* rows, int64_t hp, float* out,
+                      int64_t out_stride) {
+  Vec acc[M][C];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < C; ++c) acc[m][c] = vload(out + m * out_stride + c * kVec);
+  for (int64_t j = 0; j < k; ++j)
+    for (int c = 0; c < C; ++c) {
+      const Vec v = vload(rows + j * hp + c * kVec);
+      for (int m = 0; m < M; ++m) acc[m][c] = vfmadd(p[m * kSpan + j], v, acc[m][c]);
+    }
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < C; ++c) vstore(out + m * out_stride + c * kVec, acc[m][c]);
+}
+
+template <int M, int... C>
+constexpr auto block_row(std::integer_sequence<int, C...>) {
+  using Block = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+  return std::array<Block, sizeof...(C)>{accumulate_block<M, C + 1>...};
+}
+#endif
+
+inline void accumulate(const float* p, int64_t heads, int64_t k, const float* rows, int64_t hp,
+                       float* out, int64_t out_stride) {
+#if JLLAMA_AVX512 || JLLAMA_AVX2
+  using Cols = std::make_integer_sequence<int, kBlockCols>;
+  static constexpr auto kBlocks = std::array{block_row<1>(Cols{}), block_row<2>(Cols{}),
+                                             block_row<3>(Cols{}), block_row<4>(Cols{})};
+  static_assert(kBlocks.size() == kBlockHeads);
+  for (int64_t m0 = 0; m0 < heads; m0 += kBlockHeads) {
+    const int64_t mh = std::min<int64_t>(kBlockHeads, heads - m0);
+    for (int64_t d0 = 0; d0 < hp; d0 += kBlockCols * kVec) {
+      const int64_t cols = std::min<int64_t>(kBlockCols, (hp - d0) / kVec);
+      kBlocks[mh - 1][cols - 1](p + m0 * kSpan, k, rows + d0, hp, out + m0 * out_stride + d0,
+                                out_stride);
+    }
   }
 #else
-  for (int64_t j = 0; j < k; ++j)
-    for (int64_t d = 0; d < hp; ++d) out[d] += p[j] * rows[j * hp + d];
+  for (int64_t m = 0; m < heads; ++m)
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t d = 0; d < hp; ++d) out[m * out_stride + d] += p[m * kSpan + j] * rows[j * hp + d];
 #endif
 }
 
@@ -262,9 +356,10 @@ void attend_span(const Attention& a, int64_t g, int64_t span, float* scratch) {
     const float* qm = a.q + (g * heads + m) * hd;
     for (int64_t d = 0; d < hp; ++d) q[m * hp + d] = d < hd ? qm[d] * scale : 0.0f;
   }
+  const ScoresTile scores_of = scores_for(hp);
   for (int64_t t = 0; t < n; t += kRowTile) {
     const float* rows = load_tile(a.keys, g, t0 + t, std::min(kRowTile, n - t), hd, hp, tile);
-    for (int64_t m = 0; m < heads; ++m) scores16(q + m * hp, rows, hp, scores + m * kSpan + t);
+    scores_of(q, heads, rows, hp, scores + t);
   }
   for (int64_t m = 0; m < heads; ++m) {
     float* part = a.partial(g, span, m);
@@ -274,8 +369,7 @@ void attend_span(const Attention& a, int64_t g, int64_t span, float* scratch) {
   for (int64_t t = 0; t < n; t += kRowTile) {
     const int64_t k = std::min(kRowTile, n - t);
     const float* rows = load_tile(a.values, g, t0 + t, k, hd, hp, tile);
-    for (int64_t m = 0; m < heads; ++m)
-      accumulate(scores + m * kSpan + t, k, rows, hp, a.partial(g, span, m));
+    accumulate(scores + t, heads, k, rows, hp, a.partial(g, span, 0), a.stride());
   }
 }
 
