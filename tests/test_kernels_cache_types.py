@@ -467,7 +467,8 @@ def test_bad_cache_blocks_are_refused_in_one_line():
     def attend(keys, values, q=q):
         return call_attention((q, keys, values, 3, -1, keys[0], values[0]))
 
-    _refused(lambda: attend([z((2, 16, 64), np.uint8)], [f16]), "[n_kv_heads, B, 68] for head_dim 64")
+    _refused(lambda: attend([z((2, 16, 64), np.uint8)], [f16]),
+             "[n_kv_heads, B, 68] for head_dim 64")
     _refused(lambda: attend([q8, z((2, 16, 68), np.uint8)], [f16, z((2, 16, 64), np.float32)]),
              "cache blocks of one type and shape")
     _refused(lambda: attend([z((2, 16, 64), np.int32)], [f16]), "(q8_0)")
@@ -477,8 +478,9 @@ def test_bad_cache_blocks_are_refused_in_one_line():
     _refused(lambda: attend([z((3, 16, 64), np.float16)], [z((3, 16, 64), np.float16)]),
              "do not agree")
     qkv = jnp.zeros((2 + 2 * 2) * 48)
-    _refused(lambda: kernels.rope_write(qkv, jnp.int32(0), jnp.ones(24), jnp.zeros((2, 8, 51), jnp.uint8),
-                                        jnp.zeros((2, 8, 48))), "head_dim a multiple of 32")
+    _refused(lambda: kernels.rope_write(qkv, jnp.int32(0), jnp.ones(24),
+                                        jnp.zeros((2, 8, 51), jnp.uint8), jnp.zeros((2, 8, 48))),
+             "head_dim a multiple of 32")
     _refused(lambda: kernels.rope_write(jnp.zeros(6 * 64), jnp.int32(0), jnp.ones(32),
                                         jnp.asarray(q8), jnp.asarray(z((2, 8, 64), np.float16))),
              "do not agree")

@@ -275,7 +275,8 @@ inline void accumulate(const float* p, int64_t heads, int64_t k, const float* ro
 #else
   for (int64_t m = 0; m < heads; ++m)
     for (int64_t j = 0; j < k; ++j)
-      for (int64_t d = 0; d < hp; ++d) out[m * out_stride + d] += p[m * kSpan + j] * rows[j * hp + d];
+      for (int64_t d = 0; d < hp; ++d)
+        out[m * out_stride + d] += p[m * kSpan + j] * rows[j * hp + d];
 #endif
 }
 

@@ -441,7 +441,8 @@ ffi::Error RopeAttendBatchF32(ffi::ThreadPool pool, F32Matrix qkv, S32Vector pos
   const int64_t hd = 2 * inv_freq.dimensions()[0];
   if (pos.dimensions()[0] != batch || att->dimensions()[0] != batch || batch < 1 || hd < 2 ||
       current.size() != static_cast<size_t>(2 * batch) ||
-      blocks.size() < static_cast<size_t>(4 * batch) || (blocks.size() - 2 * batch) % (2 * batch) != 0)
+      blocks.size() < static_cast<size_t>(4 * batch) ||
+      (blocks.size() - 2 * batch) % (2 * batch) != 0)
     return ffi::Error::InvalidArgument(
         "jllama rope_attend_batch: qkv[B, .], pos[B], 2B current blocks and 2B * K blocks");
   const int64_t k_blocks = static_cast<int64_t>((blocks.size() - 2 * batch) / (2 * batch));
