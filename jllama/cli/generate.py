@@ -12,7 +12,8 @@ import time
 from jllama import runtime
 from jllama.cli import chat
 from jllama.cli.common import (
-    compile_programs, device_count, note_seq_len, open_session, rates, say, write_raw,
+    compile_programs, device_count, kv_cache_types, note_seq_len, open_session, rates, say,
+    write_raw,
 )
 from jllama.cli.options import Options, RunOptions
 from jllama.errors import JllamaError
@@ -57,7 +58,7 @@ def main(options: Options) -> int:
     if sampler.config.temperature > 0 and options.sampling.config.seed is None and speak:
         say(f"seed {seed} (repeat with --seed={seed})")
     if speak:
-        say(required_memory(model, n_devices))
+        say(required_memory(model, n_devices, kv_cache_types(run, model)))
     programs = compile_programs(run, speak)
     session = open_session(model, run, n_devices, speak)
     if tokenizer.vocab_size < config.vocab_size and run.decode == "loop":
