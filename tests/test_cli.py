@@ -273,7 +273,7 @@ def test_bfloat16_weights_report_memory_and_agree_across_backends():
         # and a 512-token f32 cache: 2 (k, v) * 5 layers * 4 kv heads * 512 * 8 (head_dim)
         # floats * 4 bytes = 655,360 bytes.
         assert "required memory: " in result.stderr and "(bfloat16)" in result.stderr
-        assert "KV cache 0.7 MB (512 tokens, float32)" in result.stderr
+        assert "KV cache 0.7 MB (512 tokens, f32)" in result.stderr
     assert results[0].stdout == results[1].stdout
     assert results[0].stdout.startswith("Once upon a time")
 
