@@ -396,3 +396,53 @@ def test_memory_line_and_check_count_the_types(stories260k):
                        vocab_size=40, seq_len=1 << 20)
     with pytest.raises(ResourceError, match=r"head_dim=128, keys q8_0, values f16\) but"):
         check_kv_cache_fits(huge, "q8_0", "f16")
+
+
+def test_sessions_default_to_f16_for_gguf_and_f32_for_llama2c(tmp_path, stories260k):
+    from gguf_files import write_gguf
+
+    from jllama.loading import open_model
+    from jllama.session import Session
+
+    config = ModelConfig(dim=64, hidden_dim=96, n_layers=1, n_heads=2, n_kv_heads=2,
+                         vocab_size=259, seq_len=32)
+    path = write_gguf(tmp_path / "tiny.gguf", config, random_weights(config, seed=2))
+    model = open_model(path)
+    for backend in ("jax", "numpy"):
+        session = Session.prepare(model, backend, matvec="xla")
+        assert [t.name for t in session.backend.cache_types] == ["f16", "f16"]
+        if backend == "jax":
+            assert session.backend.key_cache[0][0].dtype == np.float16
+        session = Session.prepare(model, backend, matvec="xla", cache_type_v="q8_0")
+        assert [t.name for t in session.backend.cache_types] == ["f16", "q8_0"]
+    session = Session.open(seq_len=64, matvec="xla")  # the embedded stories260K
+    assert [t.name for t in session.backend.cache_types] == ["f32", "f32"]
+
+
+def test_command_line_flags(tmp_path):
+    from test_cli import _assert_one_line_error, run
+
+    from jllama.formats.llama2c import write_checkpoint
+
+    _assert_one_line_error(run("--cache_type=q4_0"), "--cache_type='q4_0' is not a KV cache "
+                           "type (known: f32, f16, bf16, q8_0)")
+    _assert_one_line_error(run("serve", "--cache_type_k=F8"), "--cache_type_k='F8'")
+    config = ModelConfig(dim=96, hidden_dim=64, n_layers=1, n_heads=2, n_kv_heads=2,
+                         vocab_size=512, seq_len=32)
+    path = tmp_path / "hd48.bin"
+    write_checkpoint(path, config, random_weights(config, seed=3))
+    _assert_one_line_error(run(f"--checkpoint={path}", "--cache_type=q8_0"),
+                           "--cache_type=q8_0 needs head_dim a multiple of 32, this model's "
+                           "is 48")
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time, there was a little cat. " * 8)
+    _assert_one_line_error(run("perplexity", f"--checkpoint={path}", "--cache_type_v=q8_0",
+                               f"--file={text}", "--ctx=16"),
+                           "--cache_type_v=q8_0 needs head_dim")
+    # stories260K: 81,920 values a cache (`test_memory_line_and_check_count_the_types`), f16
+    # keys and bf16 values at 2 bytes each.
+    result = run("--cache_type=f16", "--cache_type_v=bf16", "--temperature=0", "--steps=40",
+                 "--backend=numpy")
+    assert result.returncode == 0, result.stderr
+    assert "KV cache 0.3 MB (512 tokens, keys f16, values bf16)" in result.stderr
+    assert result.stdout.startswith("Once upon a time")

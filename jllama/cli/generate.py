@@ -43,6 +43,7 @@ def main(options: Options) -> int:
     if speak:
         note_seq_len(options, model)
     _check_mode(text, model, several)
+    kv_types = kv_cache_types(run, model)  # a type this model cannot hold: before any line
     n_devices = device_count(run, config, several)
     prompt_ids = []
     if text.mode == "generate":
@@ -58,7 +59,7 @@ def main(options: Options) -> int:
     if sampler.config.temperature > 0 and options.sampling.config.seed is None and speak:
         say(f"seed {seed} (repeat with --seed={seed})")
     if speak:
-        say(required_memory(model, n_devices, kv_cache_types(run, model)))
+        say(required_memory(model, n_devices, kv_types))
     programs = compile_programs(run, speak)
     session = open_session(model, run, n_devices, speak)
     if tokenizer.vocab_size < config.vocab_size and run.decode == "loop":
