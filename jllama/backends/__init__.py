@@ -54,7 +54,7 @@ def prepared_backend(model, backend: str | Backend = "jax", *, decode: str = "gr
         "fused" makes the one-program decode, any other the per-layer programs.
       cache_type_k, cache_type_v: the KV cache types of a backend made here by name
         (`jllama.cache_types.resolve`: "auto" is f32, or `DEFAULT_GGUF` for a GGUF file);
-        a backend given as an object keeps its own.
+        a backend given as an object keeps its own (and other values are a ValueError).
       say: takes lines for the user; None: nothing is said.
 
     Raises:
@@ -75,6 +75,9 @@ def prepared_backend(model, backend: str | Backend = "jax", *, decode: str = "gr
             if devices > 1:
                 settings["devices"] = devices
         backend = make_backend(backend, **settings)
+    elif (cache_type_k, cache_type_v) != (cache_types.AUTO, cache_types.AUTO):
+        raise ValueError("cache_type_k and cache_type_v are a backend's own settings: pass them "
+                         "to make_backend, not with a backend already made")
     on_cpu = not isinstance(backend, Described) or backend.platform == "cpu"
     if on_cpu:
         runtime.check_kv_cache_fits(model.config, *getattr(backend, "cache_types",
