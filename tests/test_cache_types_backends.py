@@ -60,13 +60,10 @@ def _ids(pair) -> str:
 
 
 def _kernels_pending(pair):
-    """Pairs the kernels cannot read yet (`cache_rows.KERNEL_CACHE_DTYPES`): the tests of the
-    kernel path for them fail until they do (strict: a pass says to widen the constant)."""
-    pending = any(cache_types.cache_type(t).dtype not in cache_rows.KERNEL_CACHE_DTYPES
-                  for t in pair)
-    return pytest.param(pair, id=_ids(pair), marks=pytest.mark.xfail(
-        pending, strict=True, reason="jllama's kernels read f32 cache blocks only (branch "
-                                     "kvkern gives them the other types)"))
+    """A pair of cache types as a test parameter (every type's blocks are read by the kernels,
+    `cache_rows.KERNEL_CACHE_DTYPES`; a type they did not read would fail here)."""
+    assert all(cache_types.cache_type(t).dtype in cache_rows.KERNEL_CACHE_DTYPES for t in pair)
+    return pytest.param(pair, id=_ids(pair))
 
 
 @pytest.fixture(scope="module")

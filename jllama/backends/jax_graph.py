@@ -242,7 +242,7 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         if self.matvec == "kernel" and off_kernels:
             self.cache_note = (
                 f"attention and the cache writes run in XLA for the {off_kernels[0]} KV cache "
-                "(jllama's kernels read f32 caches); the products keep the kernels"
+                "(jllama's kernels do not read it); the products keep the kernels"
             )
         start = time.perf_counter()
         # Warm-up: traces and compiles all four programs. Harmless to the sequence that follows:

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jllama.cache_types import Q8_0_BLOCK_BYTES, QK8_0, of_dtype
 
-KERNEL_CACHE_DTYPES = (np.dtype(np.float32),)
+KERNEL_CACHE_DTYPES = tuple(
+    np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16, np.uint8))
 """The block dtypes jllama's CPU kernels (`jllama.kernels`: rope_write, attention,
-attention_chunk, the batched rope_attend) read and write; programs given blocks of another
-type compute their cache writes and attention with XLA (the products keep the kernels)."""
+attention_chunk, the batched rope_attend) read and write: every cache type. Programs given
+blocks of another dtype would compute their cache writes and attention with XLA (the products
+keep the kernels)."""
 
 
 def kernel_reads(*blocks) -> bool:
