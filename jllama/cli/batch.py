@@ -23,6 +23,7 @@ from jllama.engine import Request, complete_all
 from jllama.errors import JllamaError
 from jllama.files import parse_json, require_regular_file
 from jllama.loading import open_model, required_memory
+from jllama.memory import check_memory
 from jllama.sampling import SamplerSettingError, check_setting, seed_from_clock
 
 
@@ -113,7 +114,8 @@ def main(options: Options) -> int:
             grammar=item.get("grammar", options.text.grammar),
         ))
     n_devices = device_count(run, model.config, several=False)
-    say(required_memory(model, n_devices))
+    check_memory(model, run.backend, slots=options.serve.parallel)
+    say(required_memory(model, n_devices, slots=options.serve.parallel))
     compile_programs(run)
     session = open_session(model, run, n_devices, device_sampling=False)
     streams = complete_all(session, requests, n_slots=options.serve.parallel, progress=True)
