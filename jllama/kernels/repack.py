@@ -34,9 +34,11 @@ class PlaceError(RuntimeError):
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    from jllama.kernels import load
+    # The library as built (its XLA handlers are registered by `jllama.kernels.load`, which
+    # the backend has called: placing needs none of them).
+    from jllama.kernels.library import build
 
-    lib = ctypes.CDLL(load())
+    lib = ctypes.CDLL(str(build()))
     lib.jllama_place.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
     lib.jllama_place.restype = ctypes.c_int
     return lib
