@@ -81,9 +81,11 @@ def test_a_plan_bigger_than_the_memory_is_refused_in_one_line(smollm2):
 
 def test_serve_with_more_slots_than_the_host_holds_is_refused_before_it_allocates():
     """The issue's `serve --checkpoint=smollm2 --seq_len=8192 --parallel=256` (a 97 GB plan)
-    on a host with less than that; on a bigger host, as many more slots as it takes."""
+    on a host with less than that."""
     per_slot = 8192 * 2 * 30 * 3 * 64 * 4  # 47 MB
-    parallel = max(256, 2 * (available_memory_bytes() or 0) // per_slot + 1)
+    parallel = 256  # --parallel's most
+    if (available_memory_bytes() or 0) > parallel * per_slot:
+        pytest.skip("this host holds 256 slots of SmolLM2's 8192 tokens")
     with tempfile.TemporaryFile() as err:
         child = subprocess.Popen(
             [*jllama_command(), "serve", "--checkpoint=smollm2", "--seq_len=8192",
@@ -96,6 +98,7 @@ def test_serve_with_more_slots_than_the_host_holds_is_refused_before_it_allocate
     assert len(lines) == 1 and lines[0].startswith("jllama: error: not enough memory: "), lines
     assert f"for {parallel} x 8192 tokens, float32" in lines[0]
     assert "slots of 8192 tokens fit: lower --parallel or --seq_len" in lines[0]
-    # Refused before the session: the process held JAX, the tokenizer and the file's header
-    # pages (about 250 MB), no placed weights (97 MB) and no cache block.
-    assert usage.ru_maxrss * 1024 < 400e6
+    # Refused before the session: the process held JAX, the tokenizer and some of the file's
+    # pages (about 200 MB; the file may be checked once more by the fetch cache), not 256
+    # slots of 47 MB (nor 20 of them).
+    assert usage.ru_maxrss * 1024 < 1e9, usage.ru_maxrss
