@@ -19,7 +19,6 @@ decode step, `forward`), `jax_prefill` (batched prefill), `jax_loop` (the device
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
