@@ -240,11 +240,11 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
 
 
 def required_memory(model: Model, devices: int = 1, *, slots: int = 1,
-                    cache_type: str = "f32") -> str:
+                    cache_type: str = "f32", value_type: str | None = None) -> str:
     """One line saying what running `model` needs, before the weights are placed and the KV
     cache allocated (as Distributed Llama's "RequiredMemory"): `jllama.memory.memory_plan`'s
     weights in their dtype, the KV cache of `slots` sequences of seq_len tokens of
-    `cache_type`, and the process itself (measured, plus its programs and activations), in MB
+    `cache_type` (the values' of `value_type` when given), and the process itself (measured, plus its programs and activations), in MB
     (10^6 bytes).
 
     With devices > 1 (tensor parallelism, `jllama.sharding`; the count must pass
@@ -254,7 +254,7 @@ def required_memory(model: Model, devices: int = 1, *, slots: int = 1,
     from jllama.memory import memory_plan
 
     config = model.config
-    line = memory_plan(model, slots=slots, cache_type=cache_type).line()
+    line = memory_plan(model, slots=slots, cache_type=cache_type, value_type=value_type).line()
     if devices > 1:
         from jllama.sharding import device_memory
 

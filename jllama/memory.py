@@ -53,7 +53,8 @@ PREFILL_CHUNK = 256
 _CACHE_NAMES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
-def scratch_nbytes(config: ModelConfig, slots: int, cache_type: str = "f32") -> int:
+def scratch_nbytes(config: ModelConfig, slots: int, cache_type: str = "f32",
+                   value_type: str | None = None) -> int:
     """Bytes a running process holds beyond its start, its weights and its slots' caches:
     `PROGRAMS_BYTES`, the float32 activations of the largest step (a prefill chunk of
     `PREFILL_CHUNK` tokens: its hidden states, q, k, v, the feed-forward's three, and its
@@ -63,7 +64,8 @@ def scratch_nbytes(config: ModelConfig, slots: int, cache_type: str = "f32") -> 
               + config.n_heads * config.seq_len)
     activations = 4 * (PREFILL_CHUNK * widths + slots * config.vocab_size)
     first_block = kv_cache_nbytes(config.n_layers, config.n_kv_heads, config.head_dim,
-                                  min(BLOCK, config.seq_len), cache_type, cache_type)
+                                  min(BLOCK, config.seq_len), cache_type,
+                                  value_type or cache_type)
     return PROGRAMS_BYTES + activations + first_block
 
 
@@ -74,7 +76,8 @@ class MemoryPlan:
     Attributes:
       weights: the weights as held; weights_kind: their dtype or GGML types ("Q4_K+Q6_K").
       kv_cache: every slot's KV cache, whole.
-      slots, seq_len, cache_type: what kv_cache counts (cache_type a `cache_types` name).
+      slots, seq_len, cache_type: what kv_cache counts (cache_type a `cache_types` name, or
+        "key/value" names when the two differ).
       process: the process's RSS when planned (with JAX's start added if it had not started).
       scratch: `scratch_nbytes`.
       resident: the RSS when planned (part of `process`, already allocated).
@@ -97,7 +100,7 @@ class MemoryPlan:
     def line(self) -> str:
         """"required memory: ..." as the CLI prints it, in MB (10^6 bytes)."""
         mb = 1e6
-        cache = _CACHE_NAMES.get(self.cache_type, self.cache_type)
+        cache = "/".join(_CACHE_NAMES.get(t, t) for t in self.cache_type.split("/"))
         tokens = (f"{self.seq_len} tokens" if self.slots == 1
                   else f"{self.slots} slots x {self.seq_len} tokens")
         return (
@@ -134,7 +137,7 @@ class MemoryPlan:
             hint = f"at most {int(room // per_token)} tokens of context fit in one slot: lower --seq_len"
         else:
             hint = "the weights alone do not fit"
-        cache = _CACHE_NAMES.get(self.cache_type, self.cache_type)
+        cache = "/".join(_CACHE_NAMES.get(t, t) for t in self.cache_type.split("/"))
         raise ResourceError(
             f"not enough memory: the run needs {needed / gb:.1f} GB more (weights "
             f"{self.weights / gb:.1f} GB + KV cache {self.kv_cache / gb:.1f} GB for {self.slots} "
@@ -143,9 +146,11 @@ class MemoryPlan:
         )
 
 
-def memory_plan(model, slots: int = 1, cache_type: str = "f32") -> MemoryPlan:
+def memory_plan(model, slots: int = 1, cache_type: str = "f32",
+                value_type: str | None = None) -> MemoryPlan:
     """The plan of running `model` (a `jllama.loading.Model`) with `slots` sequences of its
-    config's seq_len positions in caches of `cache_type` (a `jllama.cache_types` name).
+    config's seq_len positions in caches of `cache_type` (a `jllama.cache_types` name; the
+    values' of `value_type` when given, else the same).
 
     Raises:
       ConfigError: an unknown cache type.
@@ -153,21 +158,24 @@ def memory_plan(model, slots: int = 1, cache_type: str = "f32") -> MemoryPlan:
     from jllama.weights import weights_dtype, weights_nbytes
 
     config = model.config
-    kind = get_cache_type(cache_type).name
+    key = get_cache_type(cache_type).name
+    value = get_cache_type(value_type or cache_type).name
+    kind = key if key == value else f"{key}/{value}"
     block = min(BLOCK, config.seq_len)
     positions = -(-config.seq_len // block) * block  # whole blocks
     kv = kv_cache_nbytes(config.n_layers, config.n_kv_heads, config.head_dim, positions,
-                         kind, kind, sequences=slots)
+                         key, value, sequences=slots)
     resident = rss_bytes()
     process = resident + (0 if "jax" in sys.modules else JAX_START_BYTES)
     return MemoryPlan(
         weights=weights_nbytes(model.weights), weights_kind=weights_dtype(model.weights),
         kv_cache=kv, slots=slots, seq_len=config.seq_len, cache_type=kind, process=process,
-        scratch=scratch_nbytes(config, slots, kind), resident=resident,
+        scratch=scratch_nbytes(config, slots, key, value), resident=resident,
     )
 
 
-def check_memory(model, backend: str = "jax", slots: int = 1, cache_type: str = "f32") -> None:
+def check_memory(model, backend: str = "jax", slots: int = 1, cache_type: str = "f32",
+                 value_type: str | None = None) -> None:
     """Refuse, before the weights are placed or a cache block allocated, a run of `slots`
     sequences (each up to the whole context) that would not fit in the host's memory
     (`MemoryPlan.check`). The jax backend's CPU client is started first, so that the plan
@@ -181,4 +189,4 @@ def check_memory(model, backend: str = "jax", slots: int = 1, cache_type: str = 
 
         if jax.devices()[0].platform != "cpu":
             return
-    memory_plan(model, slots=slots, cache_type=cache_type).check()
+    memory_plan(model, slots=slots, cache_type=cache_type, value_type=value_type).check()

@@ -31,6 +31,9 @@ def test_the_kv_cache_of_every_slot_is_counted(smollm2):
     assert memory_plan(smollm2, slots=4, cache_type="f16").kv_cache == plan.kv_cache // 2
     q8 = memory_plan(smollm2, slots=4, cache_type="q8_0").kv_cache  # 34 bytes per 32 values
     assert q8 == 4 * 2048 * 2 * 30 * 3 * (64 // 32 * 34)
+    mixed = memory_plan(smollm2, slots=4, cache_type="f16", value_type="q8_0")
+    assert mixed.kv_cache == 4 * 2048 * 30 * 3 * (64 * 2 + 68)
+    assert "(4 slots x 2048 tokens, float16/q8_0)" in mixed.line()
     # the file's tensors as stored (the tied classifier is the embedding table: once)
     assert plan.weights == sum(int(t.n_bytes) for t in gguf.GGUFReader(smollm2.source).tensors)
     assert plan.process >= plan.resident > 0
