@@ -220,7 +220,8 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         start = time.perf_counter()
         # Warm-up: traces and compiles all four programs. Harmless to the sequence that follows:
         # position 0 is rewritten by the first real step and later positions are masked.
-        self.forward(0, 0)
+        self._warm_layers = None
+        self.warm_forward(0)
         self.compile_seconds = time.perf_counter() - start
         # What compile_for need not run again: ("forward", k), ("loop", kind, k) and
         # ("prefill", size, k) for k cache blocks read.
