@@ -104,8 +104,9 @@ def test_every_decode_step_is_batched_even_for_tokens_that_release_no_text(sessi
         del backend.forward
     assert [s.text for s in streams] == alone
     assert [len(s.generated_ids) for s in streams] == [30] * 6
-    # The prompts' tokens (fed one at a time here), and no decode step.
-    assert len(forwards) == sum(len(r.prompt_ids) for r in requests)
+    # No decode step goes through `forward`: at most a prompt's lone last token does (a prompt's
+    # 2-7 tokens go as one padded chunk), where a decode step alone would be 29 per stream.
+    assert len(forwards) <= len(requests)
     assert len(host_draws) == 6
 
 

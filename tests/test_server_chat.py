@@ -10,7 +10,7 @@ import openai
 import pytest
 from test_cli import REPO, jllama_command
 
-from jllama.backends import make_backend
+from jllama.backends import prepared_backend
 from jllama.loading import open_model
 from jllama.server import ServerThread
 
@@ -22,8 +22,8 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
     model = open_model(smollm2_gguf, seq_len=SEQ_LEN)
-    backend = make_backend("jax")
-    backend.prepare(model.config, model.weights)
+    # As `jllama serve` and the CLI prepare it: the GGUF's default cache type (f16).
+    backend = prepared_backend(model, "jax")
     with ServerThread(model, backend, MODEL) as running:
         yield running
 
