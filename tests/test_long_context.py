@@ -1,0 +1,317 @@
+"""A 32K context: a tiny Llama 3.1-style model (llama3 RoPE scaling, factor 8, rope_theta 500000,
+131072 positions) run by jllama at seq_len 32768 and checked against transformers.
+
+References:
+  - transformers' `LlamaForCausalLM` (sdpa attention, float32) on the same weights: one
+    forward of a 32763-token prompt, then greedy decoding with its cache up to position 32767,
+    the context's last; its logits at every position are the oracle;
+  - transformers' `LlamaRotaryEmbedding` for the RoPE angles alone (cos and sin at positions
+    up to 131071), and float64 arithmetic for what the float32 angle costs;
+  - the GGUF file is written as llama.cpp's convert_hf_to_gguf.py writes it
+    (`gguf_files.write_converted_llama`: q/k rows permuted back to Meta's pairs, llama3 scaling
+    as `rope_freqs.weight`); that writer's permutation and factors are checked here against the
+    converter's own output, the committed tests/data/llama32_tiny F32 file.
+
+The model is small (2 layers, dim 64, 4 query heads over 2 KV heads of 16) so that transformers'
+32K forward takes a few seconds on two cores; the costs are the attention's, which grow with the
+square of the context.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import shutil
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from gguf_files import converter_permute, converter_rope_factors, write_converted_llama
+from hf_models import Spec, build, save
+
+from jllama import graphs, kernels
+from jllama.backends import make_backend
+from jllama.formats.gguf import read_gguf
+from jllama.formats.hf import config_from_hf, read_hf
+from jllama.graphs.ops import rope
+from jllama.loading import open_model
+from jllama.rope import rope_cos_sin, rope_frequencies
+from jllama.sampling import Sampler
+from jllama.session import Session
+
+LLAMA31_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+SPEC = Spec("llama3.1-long", {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 259,
+    "max_position_embeddings": 131072, "rope_theta": 500000.0, "rope_scaling": LLAMA31_ROPE,
+    "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+}, seed=31)
+SEQ_LEN = 32768
+N_PROMPT = 32763
+"""The prompt ends inside a 256-position block: its last chunks are smaller (64, then 8) and
+3 tokens go through the decode programs; decoding then fills the context to its last
+position, 32767."""
+N_DECODE = SEQ_LEN - N_PROMPT
+TOLERANCE = 1e-4
+"""Largest |logit difference| allowed with the float32 cache (logits here span about +-5)."""
+
+POSITIONS = np.array([0, 1, 255, 256, 4095, 8191, 8192, 16383, 16384, 30000, 32000, 32766,
+                      32767, 65535, 131071])
+"""RoPE angles checked: block and band edges, the 32K context's end, the model's 131072."""
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    model = build(SPEC)
+    model.config._attn_implementation = "sdpa"  # eager would hold 32K x 32K scores per head
+    return model
+
+
+@pytest.fixture(scope="module")
+def files(hf_model, tmp_path_factory):
+    """(Hugging Face folder, GGUF path) of the model."""
+    folder = save(hf_model, SPEC, tmp_path_factory.mktemp("hf"))
+    path = write_converted_llama(tmp_path_factory.mktemp("gguf") / "long.gguf", hf_model)
+    return folder, path
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    """transformers on a random prompt of N_PROMPT tokens, then greedy up to position 32767:
+    (ids: the 32768 tokens fed, position by position; logits: f32[32768, vocab_size], row p
+    after the token at p; greedy: the N_DECODE + 1 tokens it chose, the last never fed;
+    margin: the smallest best-minus-second logit of those choices)."""
+    ids = [int(t) for t in np.random.default_rng(32).integers(0, 256, size=N_PROMPT)]
+    rows, greedy, margin = [], [], math.inf
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), use_cache=True)
+        cache = out.past_key_values
+        rows.append(out.logits[0].float().numpy())
+        for step in range(N_DECODE + 1):
+            last = rows[-1][-1]
+            top2 = np.sort(last)[-2:]
+            margin = min(margin, float(top2[1] - top2[0]))
+            greedy.append(int(np.argmax(last)))
+            if step == N_DECODE:
+                break
+            out = hf_model(torch.tensor([[greedy[-1]]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0].float().numpy())
+    logits = np.concatenate(rows)
+    assert logits.shape == (SEQ_LEN, SPEC.config["vocab_size"])
+    return ids + greedy[:N_DECODE], logits, greedy, margin
+
+
+# --- the RoPE angles alone ---------------------------------------------------------------
+
+
+def _transformers_cos_sin(hf_config, positions) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' cos and sin at `positions`: f32[T, head_dim // 2] each (its tables repeat
+    the half for the rotate-half layout; the first half is taken)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config=hf_config)
+    x = torch.zeros(1, dtype=torch.float32)
+    cos, sin = rotary(x, torch.tensor(positions)[None])
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].numpy(), sin[0, :, :half].numpy()
+
+
+def _unit_pairs(n_heads: int, head_dim: int) -> np.ndarray:
+    """f32[n_heads, head_dim] with every pair (1, 0): rotated by angle a it becomes
+    (cos a, sin a), so a RoPE program's output is its cos and sin."""
+    heads = np.zeros((n_heads, head_dim), np.float32)
+    heads[:, 0::2] = 1.0
+    return heads
+
+
+def _program_cos_sin(inv_freq: np.ndarray, positions, program: str):
+    """cos, sin: f32[T, head_dim // 2] as the decode programs rotate: "xla" (the traced RoPE
+    of `jllama.graphs.ops.rope`: XLA's cos and sin) or "kernel" (jllama's C++ RoPE and cache
+    write, `kernels.rope_write`: cosf and sinf)."""
+    head_dim = 2 * inv_freq.shape[0]
+    cos, sin = [], []
+    if program == "xla":
+        rotate = jax.jit(rope)
+        for p in positions:
+            out = np.asarray(rotate(jnp.asarray(_unit_pairs(1, head_dim)), jnp.int32(p),
+                                    jnp.asarray(inv_freq)))
+            cos.append(out[0, 0::2])
+            sin.append(out[0, 1::2])
+        return np.stack(cos), np.stack(sin)
+    kernels.load()
+    qkv = np.concatenate([_unit_pairs(1, head_dim), np.zeros((2, head_dim), np.float32)])
+    block = jnp.zeros((1, 16, head_dim), jnp.float32)
+    write = jax.jit(kernels.rope_write)
+    for p in positions:
+        q, _, _ = write(jnp.asarray(qkv.ravel()), jnp.int32(p), jnp.asarray(inv_freq), block,
+                        jnp.zeros_like(block))
+        q = np.asarray(q)
+        cos.append(q[0, 0::2])
+        sin.append(q[0, 1::2])
+    return np.stack(cos), np.stack(sin)
+
+
+ROPE_SHAPES = {
+    # (head_dim, llama3 scaling): this file's model; Llama 3.2 1B/3B's; Llama 3.1 8B's.
+    "tiny": (16, LLAMA31_ROPE),
+    "llama3.2": (64, {**LLAMA31_ROPE, "factor": 32.0}),
+    "llama3.1-8b": (128, LLAMA31_ROPE),
+}
+
+
+@pytest.fixture(scope="module", params=list(ROPE_SHAPES))
+def rope_configs(request, tmp_path_factory):
+    """(transformers' LlamaConfig, jllama's config from its config.json, jllama's config read
+    from a converter-style GGUF of a one-layer model with that head_dim: rope_freqs.weight)."""
+    from transformers import LlamaConfig
+
+    head_dim, scaling = ROPE_SHAPES[request.param]
+    kwargs = {**SPEC.config, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": head_dim, "rope_scaling": scaling}
+    hf_config = LlamaConfig(**kwargs)
+    model = build(Spec("rope-only", kwargs, seed=1))
+    path = write_converted_llama(tmp_path_factory.mktemp("rope") / "r.gguf", model)
+    from_gguf = read_gguf(path, seq_len=SEQ_LEN).config
+    assert from_gguf.rope_scaling.rope_type == "freq_factors"
+    return hf_config, config_from_hf(hf_config.to_dict(), "config.json"), from_gguf
+
+
+@pytest.mark.parametrize("source", ["config.json", "gguf"])
+@pytest.mark.parametrize("program", ["prefill", "xla", "kernel"])
+def test_rope_angles_near_32k_match_transformers(rope_configs, source, program):
+    """Every place jllama turns a position into cos and sin (prefill's host tables, the XLA
+    decode program, the C++ kernel) against transformers' LlamaRotaryEmbedding, at positions
+    up to 131071.
+
+    Both compute the angle pos * inv_freq as one float32 product. From config.json jllama's
+    inv_freq are transformers' own bits (`test_hf.test_rope_frequencies_match_transformers`),
+    so the angles are the same floats and only the cos/sin routines differ (an ulp, 6e-8).
+    From the GGUF they are theta_i / rope_freqs[i] (llama.cpp's way): a few ulp off in the
+    blended band, which the position multiplies, plus an ulp of the angle where the products
+    round apart; that is the bound there."""
+    hf_config, config, from_gguf = rope_configs
+    jl_config = config if source == "config.json" else from_gguf
+    inv_freq = rope_frequencies(jl_config)
+    want_cos, want_sin = _transformers_cos_sin(hf_config, POSITIONS)
+    if program == "prefill":
+        cos, sin = rope_cos_sin(POSITIONS, inv_freq)
+    else:
+        cos, sin = _program_cos_sin(inv_freq, POSITIONS, program)
+    routines = 2e-7  # two cos/sin routines, an ulp or so each
+    limit = np.full(cos.shape, routines)
+    if source == "gguf":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hf_inv = LlamaRotaryEmbedding(config=hf_config).inv_freq.numpy()
+        divisors = np.asarray(jl_config.rope_scaling.freq_factors)
+        plain = (divisors == 1) | (divisors == hf_config.rope_parameters["factor"])
+        np.testing.assert_array_equal(inv_freq[plain], hf_inv[plain])  # divided by 1 or 2^k
+        assert np.all(np.abs(inv_freq - hf_inv) <= 4 * np.spacing(hf_inv))
+        hf_angle = (POSITIONS[:, None].astype(np.float32) * hf_inv).astype(np.float32)
+        limit = (limit + POSITIONS[:, None] * np.abs(inv_freq.astype(np.float64) - hf_inv)
+                 + np.spacing(hf_angle))
+    for got, want, name in ((cos, want_cos, "cos"), (sin, want_sin, "sin")):
+        err = np.abs(got.astype(np.float64) - want)
+        worst = np.unravel_index(np.argmax(err - limit), err.shape)
+        assert np.all(err <= limit), (
+            f"{name} at position {POSITIONS[worst[0]]}, pair {worst[1]}: {err[worst]:.3g} "
+            f"(bound {limit[worst]:.3g})")
+
+
+def test_float32_angles_are_what_transformers_computes_too():
+    """The float32 angle pos * inv_freq is off the exact one by up to half an ulp of the angle
+    (at 32767 and inv_freq[0] = 1: 2^-9 rad, 2e-3); transformers rounds it the same way, so the
+    model sees the same rotation in both (a float64 angle in jllama would *depart* from the
+    reference by that much)."""
+    from transformers import LlamaConfig
+
+    hf_config = LlamaConfig(**SPEC.config)
+    config = config_from_hf(hf_config.to_dict(), "config.json")
+    inv_freq = rope_frequencies(config)
+    positions = np.arange(SEQ_LEN - 64, SEQ_LEN)
+    cos, _ = rope_cos_sin(positions, inv_freq)
+    want_cos, _ = _transformers_cos_sin(hf_config, positions)
+    exact = np.cos(positions[:, None].astype(np.float64) * inv_freq.astype(np.float64))
+    assert np.abs(cos - want_cos).max() < 2e-7
+    assert np.abs(exact - want_cos).max() > 1e-4  # float32 rounding of the angle matters here
+
+
+def test_converter_writer_matches_llama_cpps_converter(tmp_path):
+    """`write_converted_llama`'s q/k permutation and rope_freqs equal what llama.cpp's own
+    convert_hf_to_gguf.py wrote for the committed tests/data/llama32_tiny model (F32 file),
+    bit for bit."""
+    from safetensors.torch import load_file
+
+    tiny = Path(__file__).resolve().parent / "data" / "llama32_tiny"
+    hf_tensors = load_file(tiny / "hf" / "model.safetensors")  # bfloat16, widened below
+    path = tmp_path / "f32.gguf"
+    with gzip.open(tiny / "llama32-tiny-F32.gguf.gz") as src, open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+    np.testing.assert_array_equal(
+        converter_rope_factors(500000.0, 64, {"factor": 32.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192}),
+        stored["rope_freqs.weight"],
+    )
+    for name, heads in (("q_proj", 4), ("k_proj", 2)):
+        w = hf_tensors[f"model.layers.1.self_attn.{name}.weight"].float().numpy()
+        short = "attn_q" if name == "q_proj" else "attn_k"
+        np.testing.assert_array_equal(converter_permute(w, heads), stored[f"blk.1.{short}.weight"])
+
+
+# --- 32K positions through the whole model ----------------------------------------------
+
+
+def _open(files, source: str):
+    """jllama's model at seq_len 32768 from the Hugging Face folder or the GGUF."""
+    folder, path = files
+    if source == "hf":
+        return read_hf(folder, seq_len=SEQ_LEN, dtype="float32")
+    return open_model(path, seq_len=SEQ_LEN)
+
+
+def _worst(got: np.ndarray, want: np.ndarray, first_pos: int) -> tuple[float, int]:
+    """(largest |difference|, the position where it is) over rows of logits from first_pos."""
+    err = np.abs(got - want).max(axis=1)
+    return float(err.max()), first_pos + int(np.argmax(err))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_32k_context_matches_transformers(files, reference, source):
+    """jllama at seq_len 32768 (jax backend, float32 cache): the 32763-token prompt prefilled in
+    chunks with the logits of every position (`prefill_logits`), then transformers' greedy
+    tokens decoded one at a time to position 32767 (teacher forcing), every logit within
+    1e-4 of transformers'; from the GGUF, the device loop's own greedy ids are transformers'."""
+    ids, want, greedy, margin = reference
+    model = _open(files, source)
+    assert model.config.seq_len == SEQ_LEN
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    got = backend.prefill_logits(ids[:N_PROMPT], 0)
+    err, pos = _worst(got, want[:N_PROMPT], 0)
+    assert err < TOLERANCE, f"prefill: |logit diff| {err:.3g} at position {pos}"
+    decoded = np.stack([backend.forward(ids[p], p) for p in range(N_PROMPT, SEQ_LEN)])
+    err, pos = _worst(decoded, want[N_PROMPT:], N_PROMPT)
+    assert err < TOLERANCE, f"decode: |logit diff| {err:.3g} at position {pos}"
+    if source != "gguf":
+        return
+    # The device loop from the cache prefill_logits wrote: the prompt's last token again at
+    # N_PROMPT - 1, then greedy on the device up to the context's end.
+    assert margin > 1e-3  # transformers' choices are not near-ties
+    session = Session(model, backend, decode="loop")
+    generation = session.generate([ids[N_PROMPT - 1]], Sampler(temperature=0.0),
+                                  start_pos=N_PROMPT - 1, context_ids=ids[:N_PROMPT - 1],
+                                  ignore_eos=True)
+    list(generation)
+    assert session.decode_mode(Sampler(temperature=0.0)) == "loop"
+    assert generation.generated_ids == greedy
