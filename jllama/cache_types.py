@@ -104,6 +104,87 @@ def of_dtype(dtype) -> CacheType:
     raise ValueError(f"no KV cache type is stored as {np.dtype(dtype)}")
 
 
+DEFAULT_GGUF = "f16"
+"""The cache type "auto" means for a GGUF file (llama.cpp's default, half f32's bytes). llama2.c
+files and Hugging Face folders get f32 (run.c's arithmetic, bit for bit)."""
+
+AUTO = "auto"
+
+
+def resolve(key: str | CacheType = AUTO, value: str | CacheType = AUTO,
+            file_format: str = "llama2c", head_dim: int | None = None,
+            flags: tuple[str, str] = ("cache_type_k", "cache_type_v")
+            ) -> tuple[CacheType, CacheType]:
+    """The (key, value) cache types asked for, "auto" made f32, or `DEFAULT_GGUF` for
+    file_format "gguf"; checked against head_dim when given.
+
+    Raises:
+      ConfigError: an unknown name, or q8_0 with a head_dim not a multiple of 32 (one line
+        naming the flag of `flags` it came from).
+    """
+    auto = DEFAULT_GGUF if file_format == "gguf" else "f32"
+    types = []
+    for name, flag in zip((key, value), flags, strict=True):
+        t = cache_type(auto if str(name).lower() == AUTO else name, flag)
+        if head_dim is not None:
+            t.check(head_dim, flag)
+        types.append(t)
+    return types[0], types[1]
+
+
+def describe(key: str | CacheType, value: str | CacheType) -> str:
+    """The types for a line to the user: "f16", or "keys q8_0, values f16" when they differ."""
+    k, v = cache_type(key), cache_type(value)
+    return k.name if k == v else f"keys {k.name}, values {v.name}"
+
+
+def encode(rows: np.ndarray, t: str | CacheType) -> np.ndarray:
+    """Rows f32[..., head_dim] stored as type t: [..., t.row_length(head_dim)] of t.dtype,
+    rounded to nearest even (f16, bf16) or quantized as `quantize_q8_0`."""
+    t = cache_type(t)
+    rows = np.asarray(rows, np.float32)
+    return quantize_q8_0(rows) if t.quantized else rows.astype(t.dtype)
+
+
+def decode(stored: np.ndarray) -> np.ndarray:
+    """Rows stored by `encode` widened to f32[..., head_dim] (the type from the dtype: uint8 is
+    q8_0, dequantized as `dequantize_q8_0`)."""
+    if of_dtype(stored.dtype).quantized:
+        return dequantize_q8_0(stored)
+    return np.asarray(stored, np.float32)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """x: f32[..., n] (n a multiple of 32) -> uint8[..., n / 32 * 34]: ggml's block_q8_0 of each
+    32 values, the rule of llama.cpp's CPU quantizer (ggml-cpu/arch/x86/quants.c,
+    `quantize_row_q8_0`, which writes its KV cache): amax = max |x|, step d = amax / 127 stored
+    as float16 (round to nearest even), q = round-half-even(x * (127 / amax)) (0 where amax is
+    0), clipped to [-127, 127]; bytes: d little-endian, then the 32 int8.
+
+    (gguf-py's `quants.quantize` follows ggml's reference `quantize_row_q8_0_ref` instead:
+    x * (1 / d) rounded half away from zero; the two differ only where x * 127 / amax lands
+    within an ulp of a half.)"""
+    x = np.asarray(x, np.float32)
+    groups = x.reshape(*x.shape[:-1], -1, QK8_0)
+    amax = np.max(np.abs(groups), axis=-1, keepdims=True)
+    d = (amax / np.float32(127)).astype(np.float16)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
+    q = np.clip(np.rint(groups * inv), -127, 127).astype(np.int8)
+    out = np.concatenate([d.astype("<f2").view(np.uint8), q.view(np.uint8)], axis=-1)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """uint8[..., m / 34 * 34] of ggml's block_q8_0 -> f32[..., m / 34 * 32]: d * q, the
+    product in float32 (ggml's `dequantize_row_q8_0`)."""
+    b = np.ascontiguousarray(blocks, np.uint8)
+    b = b.reshape(*b.shape[:-1], -1, Q8_0_BLOCK_BYTES)
+    d = b[..., :2].copy().view("<f2").astype(np.float32)
+    q = b[..., 2:].view(np.int8).astype(np.float32)
+    return (q * d).reshape(*b.shape[:-2], -1)
+
+
 def kv_cache_nbytes(n_layers: int, n_kv_heads: int, head_dim: int, positions: int,
                     key_type: str | CacheType = "f32", value_type: str | CacheType = "f32",
                     sequences: int = 1) -> int:

@@ -245,27 +245,31 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
     )
 
 
-def required_memory(model: Model, devices: int = 1) -> str:
+def required_memory(model: Model, devices: int = 1, cache_types=("f32", "f32")) -> str:
     """One line saying what running `model` needs, before the KV cache is allocated (as
-    Distributed Llama's "RequiredMemory"): the weights in their dtype plus the f32 KV cache for
-    seq_len tokens, in MB (10^6 bytes).
+    Distributed Llama's "RequiredMemory"): the weights in their dtype plus the KV cache for
+    seq_len tokens in its (key, value) `cache_types` (`jllama.cache_types`, named in the line),
+    in MB (10^6 bytes).
 
     With devices > 1 (tensor parallelism, `jllama.sharding`; the count must pass
     `check_divisible`) the line goes on with what each device holds: its slice of the
     weights and of the KV cache (`jllama.sharding.device_memory`), and the embedding table
     the host keeps."""
+    from jllama import cache_types as kv
+
     config = model.config
     weights = weights_nbytes(model.weights)
-    cache = config.kv_cache_nbytes()
+    cache = kv.kv_cache_nbytes(config.n_layers, config.n_kv_heads, config.head_dim,
+                               config.seq_len, *cache_types)
     line = (
         f"required memory: {(weights + cache) / 1e6:.1f} MB = weights {weights / 1e6:.1f} MB "
         f"({weights_dtype(model.weights)}) + KV cache {cache / 1e6:.1f} MB "
-        f"({config.seq_len} tokens, float32)"
+        f"({config.seq_len} tokens, {kv.describe(*cache_types)})"
     )
     if devices > 1:
         from jllama.sharding import device_memory
 
-        per = device_memory(config, model.weights, devices)
+        per = device_memory(config, model.weights, devices, cache_types)
         line += (
             f"; per device ({devices} devices): {per.total / 1e6:.1f} MB = weights "
             f"{per.weights / 1e6:.1f} MB + KV cache {per.kv_cache / 1e6:.1f} MB"

@@ -69,18 +69,23 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_kv_cache_fits(config: ModelConfig) -> None:
+def check_kv_cache_fits(config: ModelConfig, key_type="f32", value_type="f32") -> None:
     """Refuse, before allocating, a KV cache larger than the host memory available.
+
+    key_type, value_type: the KV cache types (`jllama.cache_types`, names or `CacheType`s).
 
     Raises:
       ResourceError: one line with the bytes needed and available.
     """
-    need = config.kv_cache_nbytes()
+    from jllama import cache_types
+
+    need = cache_types.kv_cache_nbytes(config.n_layers, config.n_kv_heads, config.head_dim,
+                                       config.seq_len, key_type, value_type)
     have = available_memory_bytes()
     if have is not None and need > have:
         raise ResourceError(
             f"the KV cache needs {need / 2**30:.1f} GiB (n_layers={config.n_layers}, "
             f"n_kv_heads={config.n_kv_heads}, seq_len={config.seq_len}, "
-            f"head_dim={config.head_dim}, f32) but only {have / 2**30:.1f} GiB of memory is "
-            "available"
+            f"head_dim={config.head_dim}, {cache_types.describe(key_type, value_type)}) but "
+            f"only {have / 2**30:.1f} GiB of memory is available"
         )

@@ -91,15 +91,17 @@ class Session(SlotsMixin):
 
     @classmethod
     def prepare(cls, model, backend: str | Backend = "jax", *, decode: str = "auto",
-                matvec: str = "auto", devices: int = 1, say: Callable[[str], None] | None = None,
+                matvec: str = "auto", devices: int = 1, cache_type_k="auto",
+                cache_type_v="auto", say: Callable[[str], None] | None = None,
                 **options) -> Session:
         """The backend (a name or an unprepared one) prepared for `model` by
         `jllama.backends.prepared_backend` (its arguments and errors: decode, matvec, devices,
-        say), then the session (**options: prefill, device_sampling, compile_ahead); `say`
-        also gets the backend's notes."""
+        cache_type_k, cache_type_v, say), then the session (**options: prefill,
+        device_sampling, compile_ahead); `say` also gets the backend's notes."""
         started = time.perf_counter()
         backend = prepared_backend(model, backend, decode=decode, matvec=matvec,
-                                   devices=devices, say=say)
+                                   devices=devices, cache_type_k=cache_type_k,
+                                   cache_type_v=cache_type_v, say=say)
         session = cls(model, backend, decode=decode, **options)
         # prepare's time less its warm-up (the compile) is placing the weights on the device.
         session.place_seconds = time.perf_counter() - started - session.compile_seconds

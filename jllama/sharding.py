@@ -11,7 +11,8 @@ it across machines: every device holds a slice of every layer.
   w2                 columns split by hidden unit
   wcls               rows split by vocabulary entry (replicated if vocab_size % N != 0)
   RMSNorm gains      replicated (f32[dim], tiny)
-  KV cache blocks    split by KV head (axis 0 of f32[n_kv_heads, block_length, head_dim])
+  KV cache blocks    split by KV head (axis 0 of [n_kv_heads, block_length, row_length], any
+                     KV cache type, `jllama.cache_types`)
 
 The residual stream x: f32[dim] is replicated. Per layer XLA's SPMD partitioner then inserts
 exactly two all-reduces of dim floats (after wo and after w2: each device's product over its
@@ -156,7 +157,7 @@ class TensorParallel:
 
     @property
     def by_head(self) -> NamedSharding:
-        """Axis 0 split: cache blocks f32[n_kv_heads, block_length, head_dim], q f32[n_heads,
+        """Axis 0 split: cache blocks [n_kv_heads, block_length, row_length], q f32[n_heads,
         head_dim], the attention output f32[q_dim]."""
         return self.sharding(AXIS)
 
@@ -231,7 +232,8 @@ class DeviceMemory:
       n_devices: the device count.
       weights: the layers' slices, the replicated gains, the classifier's slice (or all of it
         when it is replicated).
-      kv_cache: the device's KV heads of every layer for seq_len positions, float32.
+      kv_cache: the device's KV heads of every layer for seq_len positions, in the cache
+        types.
       host_embedding: the token embedding table, kept on the host (0 when the classifier
         is the embedding table: it is then on the devices, counted in `weights`).
     """
@@ -246,10 +248,13 @@ class DeviceMemory:
         return self.weights + self.kv_cache
 
 
-def device_memory(config: ModelConfig, weights: TransformerWeights, n_devices: int) -> DeviceMemory:
+def device_memory(config: ModelConfig, weights: TransformerWeights, n_devices: int,
+                  cache_types=("f32", "f32")) -> DeviceMemory:
     """Bytes per device of `weights` (file layout, any dtype) split as `TensorParallel` splits
-    them over `n_devices` (n_devices must pass `check_divisible`), and of the float32 KV
-    cache for config.seq_len positions."""
+    them over `n_devices` (n_devices must pass `check_divisible`), and of the KV cache for
+    config.seq_len positions in its (key, value) `cache_types` (`jllama.cache_types`)."""
+    from jllama.cache_types import kv_cache_nbytes
+
     n = n_devices
     split = sum(getattr(weights, f).nbytes // n for f in ("wq", "wk", "wv", "w1", "w3"))
     for f in ("wo", "w2"):  # split by columns: an int8 matrix's per-row scales stay whole
@@ -266,6 +271,7 @@ def device_memory(config: ModelConfig, weights: TransformerWeights, n_devices: i
     return DeviceMemory(
         n_devices=n,
         weights=split + gains + wcls_share,
-        kv_cache=config.kv_cache_nbytes() // n,
+        kv_cache=kv_cache_nbytes(config.n_layers, config.n_kv_heads, config.head_dim,
+                                 config.seq_len, *cache_types) // n,
         host_embedding=0 if shared else weights.token_embedding_table.nbytes,
     )

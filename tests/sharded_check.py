@@ -187,9 +187,12 @@ def loop_collectives(backend, prompt):
     return seen[0]
 
 
-def check_model(name, config, weights, counts, prompt, steps, modes, numpy_ref: bool):
-    result = {"config": dataclasses.asdict(config), "by_devices": {}}
-    one = make_backend("jax")
+def check_model(name, config, weights, counts, prompt, steps, modes, numpy_ref: bool,
+                cache=("f32", "f32")):
+    """cache: the (key, value) KV cache types of every backend (`jllama.cache_types`)."""
+    kv = {"cache_type_k": cache[0], "cache_type_v": cache[1]}
+    result = {"config": dataclasses.asdict(config), "cache": list(cache), "by_devices": {}}
+    one = make_backend("jax", **kv)
     one.prepare(config, weights)
     reference = {
         "tokens": run_tokens(one, prompt, steps, prefill=False),
@@ -200,7 +203,7 @@ def check_model(name, config, weights, counts, prompt, steps, modes, numpy_ref: 
     reference["loop"] = loop_tokens(one, prompt, steps) if "loop" in modes else None
     result["single"] = reference
     if numpy_ref:
-        ref = make_backend("numpy")
+        ref = make_backend("numpy", **kv)
         ref.prepare(config, weights)
         result["numpy_tokens"] = run_tokens(ref, prompt, steps, prefill=False)
         np_logits = logits_along(ref, sequence[:steps])
@@ -209,7 +212,8 @@ def check_model(name, config, weights, counts, prompt, steps, modes, numpy_ref: 
     for n in counts:
         entry = {}
         for mode in modes:
-            b = make_backend("jax", decode="graph" if mode == "loop" else mode, devices=n)
+            b = make_backend("jax", decode="graph" if mode == "loop" else mode, devices=n,
+                             **kv)
             b.prepare(config, weights)
             if mode == "loop":
                 entry["loop"] = loop_tokens(b, prompt, steps)
@@ -230,7 +234,7 @@ def check_model(name, config, weights, counts, prompt, steps, modes, numpy_ref: 
                 entry["shards"] = shard_facts(b)
                 entry["wqkv_shards_match"] = wqkv_shards_match(b, config, weights)
                 entry["held"] = bytes_per_device(b)
-                predicted = device_memory(config, weights, n)
+                predicted = device_memory(config, weights, n, cache)
                 entry["predicted"] = {"weights": predicted.weights,
                                       "kv_cache": predicted.kv_cache}
                 entry["collectives"] = collectives(b, config)
@@ -256,6 +260,10 @@ def main(argv):
     report["grouped_q8_0"] = check_model(
         "grouped_q8_0", GROUPED, q8_0_weights(GROUPED, seed=6), (2,), [1, 20, 300, 7, 40], 20,
         ("graph", "fused", "loop"), True)
+    # KV cache types split by head as the f32 blocks are (q8_0 keys, bf16 values).
+    report["grouped_kv_q8_0_bf16"] = check_model(
+        "grouped_kv_q8_0_bf16", GROUPED, random_weights(GROUPED, seed=7, scale=0.1), (2,),
+        [1, 20, 300, 7, 40], 20, ("graph", "loop"), True, cache=("q8_0", "bf16"))
     big = random_weights(TINYLLAMA_2L, seed=3)
     report["tinyllama_2l"] = check_model(
         "tinyllama_2l", TINYLLAMA_2L, big, (2, 4), [1, 2000, 31, 7, 4000, 12, 9, 100, 300], 24,

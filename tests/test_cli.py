@@ -273,7 +273,7 @@ def test_bfloat16_weights_report_memory_and_agree_across_backends():
         # and a 512-token f32 cache: 2 (k, v) * 5 layers * 4 kv heads * 512 * 8 (head_dim)
         # floats * 4 bytes = 655,360 bytes.
         assert "required memory: " in result.stderr and "(bfloat16)" in result.stderr
-        assert "KV cache 0.7 MB (512 tokens, float32)" in result.stderr
+        assert "KV cache 0.7 MB (512 tokens, f32)" in result.stderr
     assert results[0].stdout == results[1].stdout
     assert results[0].stdout.startswith("Once upon a time")
 
@@ -322,7 +322,8 @@ def test_a_long_context_is_capped_at_4096_without_seq_len():
     lines = result.stderr.splitlines()
     assert ("jllama: note: the context is 4096 tokens of the model's 131072; "
             "--seq_len=131072 allocates all of it") in lines
-    assert any("required memory" in line and "(4096 tokens" in line for line in lines), lines
+    # A GGUF file's cache is f16 unless asked (`jllama.cache_types.DEFAULT_GGUF`).
+    assert any("required memory" in line and "(4096 tokens, f16)" in line for line in lines), lines
     asked = run(f"--checkpoint={gguf_file}", "--steps=3", "--temperature=0", "--prompt=Hi",
                 "--seq_len=8192").stderr
     assert "note: the context" not in asked and "(8192 tokens" in asked

@@ -765,8 +765,12 @@ def test_rope_write_refuses_bad_arguments():
     with pytest.raises(Exception, match="negative pos"):
         jax.block_until_ready(_rope_write(jnp.zeros(24), jnp.int32(-1), jnp.ones(2), cache(),
                                           cache()))
-    with pytest.raises(Exception, match="do not agree"):  # inv_freq of the wrong length
+    # inv_freq of the wrong length: head_dim 6, the blocks' rows are 4
+    with pytest.raises(Exception, match=r"must be \[n_kv_heads, B, 6\] for head_dim 6"):
         jax.block_until_ready(_rope_write(jnp.zeros(24), jnp.int32(0), jnp.ones(3), cache(),
+                                          cache()))
+    with pytest.raises(Exception, match="do not agree"):  # qkv of the wrong length
+        jax.block_until_ready(_rope_write(jnp.zeros(22), jnp.int32(0), jnp.ones(2), cache(),
                                           cache()))
 
 
@@ -889,29 +893,51 @@ def test_the_prologues_reject_bad_arguments():
         kernels.matvec(w, x, add=jnp.zeros(3))
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
-def test_the_avx2_and_generic_paths_agree_with_numpy(march, tmp_path, monkeypatch):
-    """Machines without AVX-512 (the issue's AVX2 machine kind) compile the other branches of
-    matvec.cc: built here with -march=x86-64-v3 (AVX2 + FMA) and plain x86-64, registered
-    under their own names, and checked like the native build."""
+@functools.cache
+def march_targets(march: str) -> tuple[dict[str, str], int]:
+    """The kernels built with -march=MARCH (in a temporary JLLAMA_HOME, once per test run),
+    every handler registered with JAX as `<symbol>_<march>`: ({symbol: its name there}, the
+    library's vector width). Skips off x86-64."""
+    import atexit
     import ctypes
     import platform
+    import shutil
+    import tempfile
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86-64 -march levels")
-    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
-    lib = ctypes.CDLL(str(library.build(march=march)))
+    home = tempfile.mkdtemp(prefix="jllama-march-")
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    before = os.environ.get("JLLAMA_HOME")
+    os.environ["JLLAMA_HOME"] = home
+    try:
+        lib = ctypes.CDLL(str(library.build(march=march)))
+    finally:
+        if before is None:
+            del os.environ["JLLAMA_HOME"]
+        else:
+            os.environ["JLLAMA_HOME"] = before
+    names = {}
+    for symbol in library.SYMBOLS:
+        names[symbol] = f"{symbol}_{march.replace('-', '_')}"
+        jax.ffi.register_ffi_target(names[symbol], jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+    return names, int(lib.jllama_vector_width())
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_the_avx2_and_generic_paths_agree_with_numpy(march):
+    """Machines without AVX-512 (the issue's AVX2 machine kind) compile the other branches of
+    matvec.cc: built here with -march=x86-64-v3 (AVX2 + FMA) and plain x86-64, registered
+    under their own names, and checked like the native build."""
+    targets, width = march_targets(march)
     # AVX2 + FMA: the prefill attention's 8-lane loops; plain x86-64: none (prefill then
     # keeps XLA's attention).
-    assert lib.jllama_vector_width() == {"x86-64-v3": 8, "x86-64": 1}[march]
-    names = {}
+    assert width == {"x86-64-v3": 8, "x86-64": 1}[march]
     symbols = {**kernels.TARGETS, "int8_groups": kernels.GROUPED_INT8,
                "attention": kernels.ATTENTION, "argmax": kernels.ARGMAX,
                "attention_chunk": kernels.ATTENTION_CHUNK}
-    for dtype, symbol in symbols.items():
-        names[dtype] = f"{symbol}_{march.replace('-', '_')}"
-        jax.ffi.register_ffi_target(names[dtype], jax.ffi.pycapsule(getattr(lib, symbol)),
-                                    platform="cpu")
+    names = {dtype: targets[symbol] for dtype, symbol in symbols.items()}
     rng = np.random.default_rng(11)
     for m, n in [(3, 5), (9, 130), (4099, 97), (700, 576)]:
         w = rng.standard_normal((m, n), dtype=np.float32)

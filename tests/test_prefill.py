@@ -177,7 +177,7 @@ def test_fused_decode_gives_the_same_logits_and_story(gqa, stories260k):
 def test_unknown_decode_mode_is_refused():
     with pytest.raises(ValueError, match="known modes: graph, fused, loop"):
         make_backend("jax", decode="scan")
-    with pytest.raises(ValueError, match="no options"):
+    with pytest.raises(ValueError, match="takes only cache_type_k and cache_type_v"):
         make_backend("numpy", decode="fused")
 
 

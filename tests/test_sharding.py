@@ -157,7 +157,15 @@ def report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-MODELS = ["stories260K", "stories260K_int8", "grouped_q8_0", "tinyllama_2l"]
+MODELS = ["stories260K", "stories260K_int8", "grouped_q8_0", "grouped_kv_q8_0_bf16",
+          "tinyllama_2l"]
+
+
+def _tolerance(report, model) -> float:
+    """Logits of two computations that should agree: 1e-4 with f32 caches; with a q8_0 cache
+    a value landing by a rounding boundary rounds the other way after the products' float32
+    differences (sums split over devices), one step of q8_0 (tests/test_cache_types.py)."""
+    return 2e-3 if "q8_0" in report[model].get("cache", ()) else 1e-4
 
 
 def _cases(report):
@@ -186,24 +194,28 @@ def test_split_runs_give_the_one_device_tokens_and_logits(report):
             got = entry[mode]
             assert got["tokens"] == single["tokens"], (model, n, mode)
             assert got["tokens_prefill"] == single["tokens_prefill"], (model, n, mode)
-            assert got["max_logit_diff"] < 1e-4, (model, n, mode, got["max_logit_diff"])
+            tol = _tolerance(report, model)
+            assert got["max_logit_diff"] < tol, (model, n, mode, got["max_logit_diff"])
             if mode == "graph":
-                assert got["prefill_logits_diff"] < 1e-4, (model, n, got["prefill_logits_diff"])
+                assert got["prefill_logits_diff"] < tol, (model, n, got["prefill_logits_diff"])
             checked += 1
         if "loop" in entry:
             assert entry["loop"] == single["loop"], (model, n)
-    # stories260K, its int8 run, int8 with group scales, the TinyLlama shape
-    assert checked == 2 * 2 + 1 + 2 + 2 * 2
+    # stories260K, its int8 run, int8 with group scales, q8_0 / bf16 caches, the TinyLlama
+    # shape
+    assert checked == 2 * 2 + 1 + 2 + 1 + 2 * 2
 
 
-@pytest.mark.parametrize("model", ["stories260K", "grouped_q8_0"])
+@pytest.mark.parametrize("model", ["stories260K", "grouped_q8_0", "grouped_kv_q8_0_bf16"])
 def test_split_runs_agree_with_the_numpy_reference(report, model):
     stories = report[model]
+    tol = _tolerance(report, model)
     assert stories["numpy_tokens"] == stories["single"]["tokens"]
-    assert stories["single_vs_numpy"] < 1e-4
+    assert stories["single_vs_numpy"] < tol
     for n, entry in stories["by_devices"].items():
         for mode in ("graph", "fused"):
-            assert entry[mode]["max_diff_vs_numpy"] < 1e-4, (n, mode)
+            if mode in entry:
+                assert entry[mode]["max_diff_vs_numpy"] < tol, (n, mode)
 
 
 def test_weights_and_caches_are_split_not_replicated(report):
@@ -229,6 +241,8 @@ def test_weights_and_caches_are_split_not_replicated(report):
         block = shards["key_block"]
         assert block["shard_shape"][0] == c["n_kv_heads"] // n  # split by KV head
         assert block["global"][0] == c["n_kv_heads"]
+        if report[model].get("cache", ["f32"])[0] == "q8_0":  # head_dim 32: one block_q8_0
+            assert block["global"][2] == block["shard_shape"][2] == 34
         # Device d holds exactly its own heads' q, k and v rows.
         assert entry["wqkv_shards_match"] == [True] * n, (model, n)
 

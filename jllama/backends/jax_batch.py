@@ -8,8 +8,9 @@ read each weight once for all B rows), then `classifier_batch`. Row b's logits h
 test_batch_decode.py), whatever B is. Batches are padded up to one of `graphs.batch.
 BATCH_SIZES` with rows the kernels skip, so the programs compile once per size and cache
 window (the largest `graphs.attention_blocks` among the sequences) and never as requests come
-and go. Otherwise (XLA's products, split over devices) the step is `forward` per sequence on
-its caches: the same logits, no faster.
+and go. Otherwise (XLA's products, split over devices, a KV cache type the kernels do not
+read: `jllama.graphs.cache_rows.kernel_reads`) the step is `forward` per sequence on its
+caches: the same logits, no faster.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jllama import graphs
 from jllama.kernels import batched
 from jllama.backends.base import check_token_pos
 from jllama.backends.jax_state import JaxState
+from jllama.graphs.cache_rows import kernel_reads
 from jllama.graphs.batch import BATCH_SIZES, classifier_batch, layer_batch
 from jllama.quant import embedding_rows
 
@@ -41,6 +43,8 @@ class BatchSteps(JaxState):
         """Whether `decode_batch` runs the batched programs (else `forward` per sequence)."""
         self._prepared("decode_batch")
         if self.matvec != "kernel" or self.tensor_parallel is not None:
+            return False
+        if not kernel_reads(*self._zero_blocks):  # a KV cache type the kernel does not read
             return False
         layer = self.layers[0]
         return all(batched.batch_supported(w) for w in
@@ -93,8 +97,9 @@ class BatchSteps(JaxState):
         if not hasattr(self, "_pad_blocks"):
             self._pad_blocks = []
         while len(self._pad_blocks) < n:
-            self._pad_blocks.append((jax.numpy.zeros_like(self._zero_block),
-                                     jax.numpy.zeros_like(self._zero_block)))
+            key_zero, value_zero = self._zero_blocks
+            self._pad_blocks.append((jax.numpy.zeros_like(key_zero),
+                                     jax.numpy.zeros_like(value_zero)))
         return self._pad_blocks[:n]
 
     def _decode_part(self, pairs, caches) -> np.ndarray:
@@ -114,20 +119,20 @@ class BatchSteps(JaxState):
         count = self._put(np.int32(live))
         cur = [int(p) // bl for p in pos[:live]]
         self._pads(size - live)
-        zero = self._zero_block
+        key_zero, value_zero = self._zero_blocks
         for l, layer in enumerate(self.layers):
             key_current, value_current, key_blocks, value_blocks = [], [], [], []
             for b, (keys, values) in enumerate(caches):
                 kc, vc = keys[l], values[l]
                 key_current.append(kc[cur[b]])
                 value_current.append(vc[cur[b]])
-                key_blocks.extend(kc[j] if j < cur[b] else zero for j in range(k))
-                value_blocks.extend(vc[j] if j < cur[b] else zero for j in range(k))
+                key_blocks.extend(kc[j] if j < cur[b] else key_zero for j in range(k))
+                value_blocks.extend(vc[j] if j < cur[b] else value_zero for j in range(k))
             for kp, vp in self._pad_blocks[:size - live]:
                 key_current.append(kp)
                 value_current.append(vp)
-                key_blocks.extend([zero] * k)
-                value_blocks.extend([zero] * k)
+                key_blocks.extend([key_zero] * k)
+                value_blocks.extend([value_zero] * k)
             x, new_keys, new_values = layer_batch(
                 config, x, count, pos_arr, layer.rms_att_weight, layer.wqkv, layer.wo,
                 layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3, self.inv_freq,

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jllama import graphs
+from jllama.cache_types import CacheType
 from jllama.config import ModelConfig
 
 
@@ -35,26 +36,40 @@ class LazyBlocks(list):
         return (self[i] for i in range(len(self)))
 
 
+def block_shape(config: ModelConfig, cache_type: CacheType) -> tuple[int, int, int]:
+    """A cache block's shape: [n_kv_heads, block_length, cache_type.row_length(head_dim)]."""
+    return (config.n_kv_heads, graphs.block_length(config.seq_len),
+            cache_type.row_length(config.head_dim))
+
+
+def zero_block(config: ModelConfig, cache_type: CacheType, where) -> jax.Array:
+    """One block of zeros of `cache_type` (zero bytes read as 0.0 in every type, q8_0's too)."""
+    return jnp.zeros(block_shape(config, cache_type), cache_type.dtype, device=where)
+
+
 def layer_caches(
-    config: ModelConfig, n_layers: int, where, lazy: bool
-) -> tuple[list, list, jax.Array]:
-    """Zeroed caches for n_layers layers: (key_cache, value_cache, zero_block).
+    config: ModelConfig, n_layers: int, where, lazy: bool, key_type: CacheType,
+    value_type: CacheType,
+) -> tuple[list, list, tuple[jax.Array, jax.Array]]:
+    """Zeroed caches for n_layers layers: (key_cache, value_cache, (key_zero, value_zero)).
 
     key_cache, value_cache: per layer, `graphs.n_blocks(seq_len)` blocks of
-    f32[n_kv_heads, block_length, head_dim] (`LazyBlocks` when `lazy`, else allocated now);
-    zero_block: one more such block of zeros (the loop program's stand-in for the block it
-    carries, `jllama.graphs.loop`). where: a `jax.Device`, or a sharding (by KV head over a
-    mesh). The backend asks for lazy blocks on one device only (LazyBlocks came for a short run
-    of a long-context model on one CPU; split caches are allocated whole, as before).
+    [n_kv_heads, block_length, row_length] of key_type's (value_type's) dtype (`block_shape`;
+    f32[n_kv_heads, block_length, head_dim] for f32), `LazyBlocks` when `lazy`, else
+    allocated now; key_zero, value_zero: one more such block of zeros each (the loop
+    program's stand-in for the block it carries, `jllama.graphs.loop`). where: a
+    `jax.Device`, or a sharding (by KV head over a mesh). The backend asks for lazy blocks on
+    one device only (LazyBlocks came for a short run of a long-context model on one CPU;
+    split caches are allocated whole, as before).
     """
-    shape = (config.n_kv_heads, graphs.block_length(config.seq_len), config.head_dim)
     count = graphs.n_blocks(config.seq_len)
 
-    def blocks():
+    def blocks(cache_type):
         if lazy:
-            return LazyBlocks(count, lambda: jnp.zeros(shape, jnp.float32, device=where))
-        return [jnp.zeros(shape, jnp.float32, device=where) for _ in range(count)]
+            return LazyBlocks(count, lambda: zero_block(config, cache_type, where))
+        return [zero_block(config, cache_type, where) for _ in range(count)]
 
-    key_cache = [blocks() for _ in range(n_layers)]
-    value_cache = [blocks() for _ in range(n_layers)]
-    return key_cache, value_cache, jnp.zeros(shape, jnp.float32, device=where)
+    key_cache = [blocks(key_type) for _ in range(n_layers)]
+    value_cache = [blocks(value_type) for _ in range(n_layers)]
+    zeros = (zero_block(config, key_type, where), zero_block(config, value_type, where))
+    return key_cache, value_cache, zeros

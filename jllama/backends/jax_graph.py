@@ -28,12 +28,14 @@ from jax.sharding import Mesh
 
 from jllama import graphs
 from jllama import kernels
+from jllama.cache_types import cache_type as _cache_type
 from jllama.backends.jax_batch import BatchSteps
 from jllama.backends.jax_caches import LazyBlocks, layer_caches
 from jllama.backends.jax_compile import CompilePlan
 from jllama.backends.jax_loop import LOOP_CHUNK, LOOP_STOP_IDS
 from jllama.backends.jax_prefill import PREFILL_CHUNKS
 from jllama.config import ModelConfig
+from jllama.graphs.cache_rows import KERNEL_CACHE_DTYPES
 from jllama.errors import BackendError
 from jllama.ggml_matrix import for_xla, is_ggml, repacked
 from jllama.packing import pack_in_decode_order
@@ -80,8 +82,14 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
       mesh: a 1-D `jax.sharding.Mesh` with axis `jllama.sharding.AXIS` to split the model
         over instead (then `devices` is ignored).
       matvec: one of `MATVEC`; resolved to "xla" or "kernel" by `prepare`.
+      cache_type_k, cache_type_v: the KV cache types of the keys and of the values
+        (`jllama.cache_types`: "f32", "f16", "bf16", "q8_0", or a `CacheType`): each block is
+        stored in its type, rows rounded as they are written and widened to float32 as they
+        are read.
 
     Raises:
+      ConfigError: an unknown cache type; (at `prepare`) q8_0 for a head_dim that is not a
+        multiple of 32.
       BackendError: JAX cannot start its default device (e.g. JAX_PLATFORMS names a missing
         platform).
       ShardingError (at `prepare`): the model does not split over the devices
@@ -100,6 +108,9 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
       matvec_note: why matvec="auto" chose "xla" on a CPU (the kernels' build error, one
         line), or "" when it did not.
       weights_note: how `prepare` converted GGML blocks for XLA's products, or "".
+      cache_types: (key, value) `jllama.cache_types.CacheType`s.
+      cache_note: why attention runs in XLA beside the kernels' products (a cache type the
+        kernels do not read), or "".
       loop_chunk: `LOOP_CHUNK`, the most tokens one `decode_loop` call samples.
       platform: the device's platform ("cpu", "gpu", "tpu").
 
@@ -118,7 +129,12 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         devices: int = 1,
         mesh: Mesh | None = None,
         matvec: str = "auto",
+        cache_type_k="f32",
+        cache_type_v="f32",
     ):
+        self.cache_types = (_cache_type(cache_type_k, "cache_type_k"),
+                            _cache_type(cache_type_v, "cache_type_v"))
+        self.cache_note = ""
         if decode not in DECODE_MODES:
             raise ValueError(f"decode={decode!r}; known modes: {', '.join(DECODE_MODES)}")
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
@@ -151,12 +167,18 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
 
     def prepare(self, config: ModelConfig, weights: TransformerWeights) -> None:
         """Convert the weights to the per-layer layout on the device, allocate the caches
-        (2 * n_layers arrays of f32[n_kv_heads, seq_len, head_dim]) and compile the programs.
+        (per layer, blocks of seq_len positions in all of the key and of the value cache
+        types, `jax_caches.layer_caches`) and compile the programs.
 
         Weight matrices keep their dtype on the device (float32; bfloat16: half the bytes;
         int8 `jllama.quant.Int8Matrix`: a quarter; both widened to float32 inside each
-        product); activations, caches and logits are float32."""
+        product); the caches hold their cache types; activations and logits are float32.
+
+        Raises:
+          ConfigError: a q8_0 cache type and a head_dim that is not a multiple of 32."""
         check_shapes(config, weights)
+        for t, flag in zip(self.cache_types, ("cache_type_k", "cache_type_v"), strict=True):
+            t.check(config.head_dim, flag)
         if self.devices > 1:
             self._split_over_devices(config)
         self.config = config
@@ -213,9 +235,15 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         self.block_length = graphs.block_length(config.seq_len)
         where = self.device if tp is None else tp.by_head  # split by KV head
         self._cache_place = (where, tp is None)  # for new_caches: device, lazily allocated
-        self.key_cache, self.value_cache, self._zero_block = layer_caches(
-            config, len(self.layers), where, lazy=tp is None
+        self.key_cache, self.value_cache, self._zero_blocks = layer_caches(
+            config, len(self.layers), where, tp is None, *self.cache_types
         )
+        off_kernels = [t.name for t in self.cache_types if t.dtype not in KERNEL_CACHE_DTYPES]
+        if self.matvec == "kernel" and off_kernels:
+            self.cache_note = (
+                f"attention and the cache writes run in XLA for the {off_kernels[0]} KV cache "
+                "(jllama's kernels do not read it); the products keep the kernels"
+            )
         start = time.perf_counter()
         # Warm-up: traces and compiles all four programs. Harmless to the sequence that follows:
         # position 0 is rewritten by the first real step and later positions are masked.
@@ -271,7 +299,7 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         """
         config = self._prepared("new_caches")
         where, lazy = self._cache_place
-        keys, values, _ = layer_caches(config, len(self.layers), where, lazy=lazy)
+        keys, values, _ = layer_caches(config, len(self.layers), where, lazy, *self.cache_types)
         return keys, values
 
     def use_caches(self, caches: tuple[list, list]) -> tuple[list, list]:
@@ -296,4 +324,6 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
             lines.append(f"using XLA's products (matvec=xla): {self.matvec_note}")
         if self.weights_note:
             lines.append(self.weights_note)
+        if self.cache_note:
+            lines.append(self.cache_note)
         return lines + list(self.sharding_notes)

@@ -103,16 +103,18 @@ class DeviceLoopSteps(JaxState):
         if self._loop_embedding is None:
             self._loop_embedding = self._place_loop_embedding()
 
-        def others(blocks):  # the first k blocks, zeros in the current one's slot
-            return tuple(self._zero_block if i == cur else blocks[i] for i in range(k))
+        def others(blocks, zero):  # the first k blocks, zeros in the current one's slot
+            return tuple(zero if i == cur else blocks[i] for i in range(k))
+
+        key_zero, value_zero = self._zero_blocks
 
         arg = self._arg
         out, count, finite, keys, values = self._programs.decode_loop(
             config, arg(np.int32(token)), arg(np.int32(pos)), arg(np.int32(n)),
             self._loop_embedding, self.layers, tuple(kc[cur] for kc in self.key_cache),
             tuple(vc[cur] for vc in self.value_cache),
-            tuple(others(kc) for kc in self.key_cache),
-            tuple(others(vc) for vc in self.value_cache), arg(np.int32(cur)), self.inv_freq,
+            tuple(others(kc, key_zero) for kc in self.key_cache),
+            tuple(others(vc, value_zero) for vc in self.value_cache), arg(np.int32(cur)), self.inv_freq,
             self.rms_final_weight, self.wcls, arg(np.float32(temperature)), arg(np.float32(top_p)),
             arg(draws), arg(stops), allowed_bits, n_steps=LOOP_CHUNK, kind=kind,
             shards=self._shards, matvec=self.matvec,

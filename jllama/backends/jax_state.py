@@ -37,8 +37,10 @@ class JaxState:
       layers: per-layer `LayerWeights`; rms_final_weight: f32[dim]; wcls: [vocab_size, dim].
       inv_freq: f32[head_dim // 2] on the device; _inv_freq: the host's copy.
       block_length: positions per cache block (`jllama.graphs.block_length`).
-      key_cache, value_cache: per layer, a list of blocks f32[n_kv_heads, block_length,
-        head_dim] (`jax_caches.layer_caches`); _zero_block: one block of zeros.
+      key_cache, value_cache: per layer, a list of blocks [n_kv_heads, block_length,
+        row_length] of the key (value) cache type (`jax_caches.layer_caches`; f32[...,
+        head_dim] for f32); _zero_blocks: one block of zeros of each (key, value).
+      cache_types: the (key, value) `jllama.cache_types.CacheType`s (set by `__init__`).
       _compiled: the keys of what compile planning need not run again (`jax_compile`).
     """
 
@@ -61,7 +63,8 @@ class JaxState:
     block_length: int
     key_cache: list
     value_cache: list
-    _zero_block: jax.Array
+    _zero_blocks: tuple[jax.Array, jax.Array]
+    cache_types: tuple
     _cache_place: tuple
     _compiled: set
 

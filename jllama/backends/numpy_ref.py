@@ -10,7 +10,10 @@ Each step can be called on its own from a research script, for example::
 
 Shapes follow `jllama.weights.TransformerWeights` (matrices out x in). A layer's KV cache is
 head-major, `key_cache: f32[n_kv_heads, seq_len, head_dim]`, the same layout the JAX backend
-uses, so the two can be compared entry by entry.
+uses, so the two can be compared entry by entry. It may hold another KV cache type
+(`jllama.cache_types`: f16, bf16, q8_0's bytes [n_kv_heads, seq_len, head_dim / 32 * 34]): rows
+are rounded to it as they are written (`cache_types.encode`) and widened to float32 as they are
+read (`cache_types.decode`), all else float32, as the JAX backend does.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 
 import numpy as np
 
+from jllama import cache_types
 from jllama.backends.base import check_token_pos
 from jllama.config import ModelConfig
 from jllama.rope import rope_cos_sin, rope_frequencies
@@ -84,13 +88,16 @@ def cache_write(
     key_cache: np.ndarray, value_cache: np.ndarray, k: np.ndarray, v: np.ndarray, pos: int
 ) -> None:
     """Store this position's key and value in one layer's cache, IN PLACE (the one step that
-    mutates: copying the cache every token would cost O(seq_len) per step).
+    mutates: copying the cache every token would cost O(seq_len) per step), rounded to each
+    cache's type (`jllama.cache_types.encode`; its dtype says which).
 
-    key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim]; k, v: f32[kv_dim].
+    key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim] (or another cache type's
+    [n_kv_heads, seq_len, row_length]); k, v: f32[kv_dim].
     """
-    n_kv_heads, _, head_dim = key_cache.shape
-    key_cache[:, pos, :] = k.reshape(n_kv_heads, head_dim)
-    value_cache[:, pos, :] = v.reshape(n_kv_heads, head_dim)
+    for cache, row in ((key_cache, k), (value_cache, v)):
+        n_kv_heads = cache.shape[0]
+        rows = row.reshape(n_kv_heads, -1)
+        cache[:, pos, :] = cache_types.encode(rows, cache_types.of_dtype(cache.dtype))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -106,13 +113,14 @@ def attention(
     scores `q . k / sqrt(head_dim)`, softmax, weighted sum of values. Query head h reads
     key/value head `h // kv_mul` (grouped-query attention).
 
-    q: f32[n_heads * head_dim]; key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim]
+    q: f32[n_heads * head_dim]; key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim], or
+    another cache type's (widened to float32 by `jllama.cache_types.decode`)
     -> f32[n_heads * head_dim].
     """
-    n_kv_heads, _, head_dim = key_cache.shape
+    keys = cache_types.decode(key_cache[:, : pos + 1, :])
+    values = cache_types.decode(value_cache[:, : pos + 1, :])
+    n_kv_heads, _, head_dim = keys.shape
     qg = q.reshape(n_kv_heads, -1, head_dim)  # [n_kv_heads, kv_mul, head_dim]
-    keys = key_cache[:, : pos + 1, :]
-    values = value_cache[:, : pos + 1, :]
     scores = np.matmul(qg, keys.transpose(0, 2, 1)) / np.sqrt(_F32(head_dim))
     weights = softmax(scores)  # [n_kv_heads, kv_mul, pos + 1]
     return np.matmul(weights, values).reshape(q.shape).astype(_F32)
@@ -140,15 +148,23 @@ def classifier(
 
 @dataclasses.dataclass
 class KVCache:
-    """Key and value caches of all layers: f32[n_layers, n_kv_heads, seq_len, head_dim] each."""
+    """Key and value caches of all layers: f32[n_layers, n_kv_heads, seq_len, head_dim] each,
+    or [n_layers, n_kv_heads, seq_len, row_length] of another cache type's dtype
+    (`jllama.cache_types`)."""
 
     key_cache: np.ndarray
     value_cache: np.ndarray
 
     @classmethod
-    def zeros(cls, config: ModelConfig) -> "KVCache":
-        shape = (config.n_layers, config.n_kv_heads, config.seq_len, config.head_dim)
-        return cls(np.zeros(shape, _F32), np.zeros(shape, _F32))
+    def zeros(cls, config: ModelConfig, key_type="f32", value_type="f32") -> "KVCache":
+        """Zeroed caches of the key and value cache types (names or `CacheType`s)."""
+        def zeros(t):
+            t = cache_types.cache_type(t)
+            shape = (config.n_layers, config.n_kv_heads, config.seq_len,
+                     t.row_length(config.head_dim))
+            return np.zeros(shape, t.dtype)
+
+        return cls(zeros(key_type), zeros(value_type))
 
 
 def forward(
@@ -182,24 +198,38 @@ class NumpyBackend:
 
     Satisfies `jllama.backends.base.Backend`, `PrefillLogits` and `Described`.
 
+    Args:
+      cache_type_k, cache_type_v: the KV cache types of the keys and values
+        (`jllama.cache_types`; names or `CacheType`s).
+
+    Raises:
+      ConfigError: an unknown cache type; (at `prepare`) q8_0 for a head_dim that is not a
+        multiple of 32.
+
     Attributes:
       name: "numpy".
       platform: "cpu".
       weights_note: how `prepare` widened quantized weights (one line), or "".
+      cache_types: (key, value) `jllama.cache_types.CacheType`s.
     """
 
     name = "numpy"
     platform = "cpu"
 
-    def __init__(self):
+    def __init__(self, cache_type_k="f32", cache_type_v="f32"):
         self.config: ModelConfig | None = None
         self.weights_note = ""
+        self.cache_types = (cache_types.cache_type(cache_type_k, "cache_type_k"),
+                            cache_types.cache_type(cache_type_v, "cache_type_v"))
 
     def prepare(self, config: ModelConfig, weights: TransformerWeights) -> None:
         """Keep float32 weights as they are (file layout, possibly memory-mapped), widen others
         (bfloat16) to float32 once, since the reference computes in float32 throughout; and
-        allocate the cache: 2 * n_layers * n_kv_heads * seq_len * head_dim float32s."""
+        allocate the cache: n_layers * n_kv_heads * seq_len rows of head_dim values of the key
+        and of the value cache type."""
         check_shapes(config, weights)
+        for t, flag in zip(self.cache_types, ("cache_type_k", "cache_type_v"), strict=True):
+            t.check(config.head_dim, flag)
         self.config = config
         self.weights = cast_weights(weights, "float32")
         self.weights_note = ""
@@ -209,7 +239,7 @@ class NumpyBackend:
                 f"the numpy backend computes with {held} weights dequantized to "
                 f"float32: weights {weights_nbytes(self.weights) / 1e6:.1f} MB"
             )
-        self.cache = KVCache.zeros(config)
+        self.cache = KVCache.zeros(config, *self.cache_types)
         self.inv_freq = rope_frequencies(config)
 
     def new_caches(self) -> KVCache:
@@ -220,7 +250,7 @@ class NumpyBackend:
         """
         if self.config is None:
             raise RuntimeError("NumpyBackend.new_caches called before prepare")
-        return KVCache.zeros(self.config)
+        return KVCache.zeros(self.config, *self.cache_types)
 
     def use_caches(self, caches: KVCache) -> KVCache:
         """Run on `caches` (`SlotCaches`); returns the cache in use before."""

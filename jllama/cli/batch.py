@@ -17,7 +17,9 @@ import json
 import sys
 
 from jllama import runtime
-from jllama.cli.common import compile_programs, device_count, one_process, open_session, say
+from jllama.cli.common import (
+    compile_programs, device_count, kv_cache_types, one_process, open_session, say,
+)
 from jllama.cli.options import Options
 from jllama.engine import Request, complete_all
 from jllama.errors import JllamaError
@@ -113,7 +115,7 @@ def main(options: Options) -> int:
             grammar=item.get("grammar", options.text.grammar),
         ))
     n_devices = device_count(run, model.config, several=False)
-    say(required_memory(model, n_devices))
+    say(required_memory(model, n_devices, kv_cache_types(run, model)))
     compile_programs(run)
     session = open_session(model, run, n_devices, device_sampling=False)
     streams = complete_all(session, requests, n_slots=options.serve.parallel, progress=True)

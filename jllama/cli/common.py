@@ -119,19 +119,35 @@ def device_count(run: RunOptions, config, several: bool) -> int:
     return n
 
 
+def kv_cache_types(run: RunOptions, model) -> tuple:
+    """The (key, value) `jllama.cache_types.CacheType`s of --cache_type, --cache_type_k and
+    --cache_type_v for `model` (a `jllama.loading.Model`; "auto" by its file format).
+
+    Raises:
+      ConfigError: q8_0 for a model whose head_dim is not a multiple of 32 (one line naming
+        the flag).
+    """
+    from jllama import cache_types
+
+    return cache_types.resolve(run.cache_type_k, run.cache_type_v, model.file_format,
+                               model.config.head_dim, flags=run.cache_flags)
+
+
 def open_session(model, run: RunOptions, n_devices: int, speak: bool = True,
                  **options) -> Session:
-    """`Session.prepare` with the --backend, --decode, --matvec, --prefill settings, the
-    library's errors renamed to the flags, its lines said when `speak`."""
+    """`Session.prepare` with the --backend, --decode, --matvec, --prefill, --cache_type
+    settings, the library's errors renamed to the flags, its lines said when `speak`."""
     from jllama.sharding import ShardingError
 
     def say_flags(line: str) -> None:  # the backend's settings are flags here
         say(line.replace("(matvec=", "(--matvec="))
 
+    key, value = kv_cache_types(run, model)
     try:
         return Session.prepare(
             model, run.backend, decode=run.decode, matvec=run.matvec, devices=n_devices,
-            prefill=run.prefill, say=say_flags if speak else None, **options,
+            cache_type_k=key, cache_type_v=value, prefill=run.prefill,
+            say=say_flags if speak else None, **options,
         )
     except ShardingError as e:  # e.g. fewer devices than --devices asks for
         raise JllamaError(as_flag(str(e))) from None

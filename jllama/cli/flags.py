@@ -125,6 +125,20 @@ flags.DEFINE_enum(
     "being widened by XLA; prefill's attention only where built with AVX-512 or AVX2); xla = jnp.dot "
     "and XLA's attention; auto = kernel on one CPU device when it builds, else xla.",
 )
+flags.DEFINE_string(
+    "cache_type",
+    "auto",
+    "KV cache type of the keys and values (llama.cpp's names and block formats): f32, f16, "
+    "bf16 (2 bytes a value), q8_0 (34 bytes per 32 values; head_dim a multiple of 32); auto = "
+    "f32 for llama2.c files and Hugging Face folders (run.c's arithmetic), f16 for GGUF files "
+    "(llama.cpp's default). --cache_type_k / --cache_type_v set one of the two.",
+)
+flags.DEFINE_string(
+    "cache_type_k", None, "KV cache type of the keys (see --cache_type, which it overrides)."
+)
+flags.DEFINE_string(
+    "cache_type_v", None, "KV cache type of the values (see --cache_type, which it overrides)."
+)
 flags.DEFINE_enum(
     "prefill",
     "chunked",

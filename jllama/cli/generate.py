@@ -12,7 +12,8 @@ import time
 from jllama import runtime
 from jllama.cli import chat
 from jllama.cli.common import (
-    compile_programs, device_count, note_seq_len, open_session, rates, say, write_raw,
+    compile_programs, device_count, kv_cache_types, note_seq_len, open_session, rates, say,
+    write_raw,
 )
 from jllama.cli.options import Options, RunOptions
 from jllama.errors import JllamaError
@@ -42,6 +43,7 @@ def main(options: Options) -> int:
     if speak:
         note_seq_len(options, model)
     _check_mode(text, model, several)
+    kv_types = kv_cache_types(run, model)  # a type this model cannot hold: before any line
     n_devices = device_count(run, config, several)
     prompt_ids = []
     if text.mode == "generate":
@@ -57,7 +59,7 @@ def main(options: Options) -> int:
     if sampler.config.temperature > 0 and options.sampling.config.seed is None and speak:
         say(f"seed {seed} (repeat with --seed={seed})")
     if speak:
-        say(required_memory(model, n_devices))
+        say(required_memory(model, n_devices, kv_types))
     programs = compile_programs(run, speak)
     session = open_session(model, run, n_devices, speak)
     if tokenizer.vocab_size < config.vocab_size and run.decode == "loop":

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jllama import cache_types
 from jllama.cli.flags import FLAGS
 from jllama.errors import JllamaError
 from jllama.sampling import FILTERS, SamplerConfig
@@ -60,6 +61,12 @@ class RunOptions:
     process_id: int
     jax_modes: tuple[tuple[str, str], ...]
     """(flag, value) of the jax backend's modes given on the command line (not auto)."""
+    cache_type_k: str = cache_types.AUTO
+    cache_type_v: str = cache_types.AUTO
+    """The KV cache types asked for (`jllama.cache_types` names, or "auto": resolved for the
+    model by `jllama.cache_types.resolve`), from --cache_type, --cache_type_k, --cache_type_v."""
+    cache_flags: tuple[str, str] = ("cache_type", "cache_type")
+    """The flag each of the two came from, for the messages."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +150,18 @@ def from_flags() -> Options:
     f = FLAGS
     jax_modes = tuple((name, f[name].value) for name in ("decode", "matvec")
                       if f[name].present and f[name].value != "auto")
+    kv_flags = tuple(name if f[name].value is not None else "cache_type"
+                     for name in ("cache_type_k", "cache_type_v"))
+    kv_names = tuple(f[flag].value for flag in kv_flags)
+    for name, flag in zip(kv_names, kv_flags, strict=True):
+        if name.lower() != cache_types.AUTO:
+            cache_types.cache_type(name, flag)  # ConfigError: one line naming the flag
     return Options(
         model=ModelOptions(f.checkpoint, f.tokenizer, f.seq_len or DEFAULT_CONTEXT,
                            None if f.dtype == "auto" else f.dtype),
         run=RunOptions(f.backend, f.decode, f.matvec, f.prefill, f.devices, f.threads,
                        f.compile_cache, f.coordinator, f.num_processes, f.process_id,
-                       jax_modes),
+                       jax_modes, *kv_names, kv_flags),
         sampling=_sampling(),
         text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
                          f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint()),

@@ -9,7 +9,9 @@ import re
 import sys
 
 from jllama import runtime
-from jllama.cli.common import compile_programs, device_count, one_process, open_session, say
+from jllama.cli.common import (
+    compile_programs, device_count, kv_cache_types, one_process, open_session, say,
+)
 from jllama.cli.options import Options
 from jllama.cli.serve import model_id
 from jllama.errors import JllamaError
@@ -45,7 +47,7 @@ def main(options: Options) -> int:
         raise flagged(e) from None
     config = model.config
     n_devices = device_count(run, config, several=False)
-    say(required_memory(model, n_devices))
+    say(required_memory(model, n_devices, kv_cache_types(run, model)))
     compile_programs(run)
     session = open_session(model, run, n_devices, device_sampling=False)
     result = ppl.perplexity(

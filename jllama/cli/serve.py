@@ -7,7 +7,8 @@ from pathlib import Path
 
 from jllama import runtime
 from jllama.cli.common import (
-    compile_programs, device_count, note_seq_len, one_process, open_session, say,
+    compile_programs, device_count, kv_cache_types, note_seq_len, one_process, open_session,
+    say,
 )
 from jllama.cli.options import Options
 from jllama.fetch import KNOWN_MODELS
@@ -38,7 +39,7 @@ def main(options: Options) -> int:
     model = open_model(m.checkpoint, m.tokenizer, seq_len=m.seq_len, dtype=m.dtype)
     n_devices = device_count(run, model.config, several=False)
     note_seq_len(options, model)
-    say(required_memory(model, n_devices))
+    say(required_memory(model, n_devices, kv_cache_types(run, model)))
     compile_programs(run)  # programs compiled per request are kept for the next server too
     # Every request brings its own sampler, sampled on the host: never the device loop.
     session = open_session(model, run, n_devices, device_sampling=False)

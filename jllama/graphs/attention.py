@@ -3,7 +3,9 @@ layer's KV cache, and the cache's block layout that the other programs share.
 
 The cache of a layer is a tuple of `n_blocks(seq_len)` separate arrays ("blocks") of
 f32[n_kv_heads, block_length(seq_len), head_dim] each, positions `b * B .. (b + 1) * B - 1`
-in block b. Attention at `pos` reads the first `attention_blocks(seq_len, pos)` blocks, a
+in block b (or of another KV cache type, `jllama.cache_types`: f16 / bf16 values, or q8_0's
+uint8[n_kv_heads, block_length, head_dim / 32 * 34]; writes round to the block's type and
+reads widen to float32, `jllama.graphs.cache_rows`). Attention at `pos` reads the first `attention_blocks(seq_len, pos)` blocks, a
 power of two of them, so a context compiles at most 1 + log2(n_blocks) attention programs
 and a step reads at most twice the positions in use.
 
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 
 from jllama import kernels
 from jllama.config import ModelConfig
+from jllama.graphs.cache_rows import decode, encode, kernel_reads
 from jllama.graphs.ops import PRECISION
 
 MIN_WINDOW = 256
@@ -58,9 +61,10 @@ def attention_window(seq_len: int, pos: int) -> int:
 
 def write_positions(blocks: tuple, rows: tuple, pos: jax.Array) -> tuple:
     """The cache write of every program that writes one (traced): each of `rows`
-    (f32[n_kv_heads, T, head_dim], the keys or values of positions pos .. pos+T-1) stored into
-    the block of `blocks` beside it (f32[n_kv_heads, block_length, head_dim]) from
-    pos % block_length on; returns the blocks written, in order.
+    (f32[n_kv_heads, T, head_dim], the keys or values of positions pos .. pos+T-1) rounded to
+    the type of the block of `blocks` beside it (`cache_rows.encode`; a block [n_kv_heads,
+    block_length, row_length] of any cache type) and stored there from pos % block_length on;
+    returns the blocks written, in order.
 
     The caller keeps the T positions in one block: `dynamic_update_slice` would clamp a write
     that crossed its end. In place where the program donates the blocks and reads nothing
@@ -68,26 +72,28 @@ def write_positions(blocks: tuple, rows: tuple, pos: jax.Array) -> tuple:
     zero = jnp.zeros((), jnp.int32)
     offset = pos % blocks[0].shape[1]
     return tuple(
-        jax.lax.dynamic_update_slice(block, r, (zero, offset, zero))
+        jax.lax.dynamic_update_slice(block, encode(r, block.dtype), (zero, offset, zero))
         for block, r in zip(blocks, rows, strict=True)
     )
 
 
 def block_scores(qg: jax.Array, key_blocks, spec: str) -> jax.Array:
-    """Scores of queries against each block's keys, concatenated along the positions (last
-    axis). spec: the einsum of one block, e.g. "gmd,gsd->gms"."""
+    """Scores of queries against each block's keys (widened to float32), concatenated along
+    the positions (last axis). spec: the einsum of one block, e.g. "gmd,gsd->gms"."""
     return jnp.concatenate(
-        [jnp.einsum(spec, qg, kb, precision=PRECISION) for kb in key_blocks], axis=-1
+        [jnp.einsum(spec, qg, decode(kb), precision=PRECISION) for kb in key_blocks], axis=-1
     )
 
 
 def block_weighted_sum(weights: jax.Array, value_blocks, spec: str) -> jax.Array:
     """Sum over the blocks of weights (last axis: the positions of all blocks, in order) times
-    each block's values. spec: the einsum of one block, e.g. "gms,gsd->gmd"."""
+    each block's values (widened to float32). spec: the einsum of one block, e.g.
+    "gms,gsd->gmd"."""
     size = value_blocks[0].shape[1]
     out = None
     for b, vb in enumerate(value_blocks):
-        part = jnp.einsum(spec, weights[..., b * size:(b + 1) * size], vb, precision=PRECISION)
+        part = jnp.einsum(spec, weights[..., b * size:(b + 1) * size], decode(vb),
+                          precision=PRECISION)
         out = part if out is None else out + part
     return out
 
@@ -104,10 +110,11 @@ def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax
            matvec: str = "xla"):
     """The attention formula over blocks (traced; shared by the programs): q: f32[n_heads,
     head_dim], blocks as in `attention` -> f32[q_dim]. matvec="kernel": jllama's CPU kernel
-    (`jllama.kernels.attention`), which reads positions 0 .. pos only."""
+    (`jllama.kernels.attention`), which reads positions 0 .. pos only, where it takes the
+    blocks' type (`cache_rows.kernel_reads`)."""
     c = config
     qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
-    if matvec == "kernel":
+    if matvec == "kernel" and kernel_reads(key_blocks[0], value_blocks[0]):
         return kernels.attention(qg, key_blocks, value_blocks, pos).reshape(c.q_dim)
     scores = block_scores(qg, key_blocks, "gmd,gsd->gms") / jnp.sqrt(jnp.float32(c.head_dim))
     weights = causal_softmax(scores, pos)
@@ -124,27 +131,27 @@ def attend_current(
     c = config
     size = key_cur.shape[1]
     qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
-    if matvec == "kernel":
+    if matvec == "kernel" and kernel_reads(key_cur, value_cur):
         return kernels.attention(
             qg, key_blocks, value_blocks, pos, cur, key_cur, value_cur
         ).reshape(c.q_dim)
     if len(key_blocks) == 1:
         # The current block is the only one (cur is 0): skip the products over its zeros,
         # half of this attention's work (positions < 256, e.g. every stories15M token).
-        own = jnp.einsum("gmd,gsd->gms", qg, key_cur, precision=PRECISION)
+        own = jnp.einsum("gmd,gsd->gms", qg, decode(key_cur), precision=PRECISION)
         weights = causal_softmax(own / jnp.sqrt(jnp.float32(c.head_dim)), pos)
-        att = jnp.einsum("gms,gsd->gmd", weights, value_cur, precision=PRECISION)
+        att = jnp.einsum("gms,gsd->gmd", weights, decode(value_cur), precision=PRECISION)
         return att.reshape(c.q_dim)
     zero = jnp.zeros((), jnp.int32)
     scores = block_scores(qg, key_blocks, "gmd,gsd->gms")
-    own = jnp.einsum("gmd,gsd->gms", qg, key_cur, precision=PRECISION)
+    own = jnp.einsum("gmd,gsd->gms", qg, decode(key_cur), precision=PRECISION)
     scores = jax.lax.dynamic_update_slice(scores, own, (zero, zero, cur * size))
     weights = causal_softmax(scores / jnp.sqrt(jnp.float32(c.head_dim)), pos)
     own_weights = jax.lax.dynamic_slice(
         weights, (zero, zero, cur * size), (c.n_kv_heads, c.kv_mul, size)
     )
     att = block_weighted_sum(weights, value_blocks, "gms,gsd->gmd") + jnp.einsum(
-        "gms,gsd->gmd", own_weights, value_cur, precision=PRECISION
+        "gms,gsd->gmd", own_weights, decode(value_cur), precision=PRECISION
     )
     return att.reshape(c.q_dim)
 
@@ -172,11 +179,12 @@ def attention(
       config: static.
       q: f32[n_heads, head_dim], after RoPE (from the qkv program).
       key_blocks, value_blocks: the layer's first k cache blocks (k =
-        `attention_blocks(seq_len, pos)`), each f32[n_kv_heads, block_length, head_dim],
-        already holding this position's key and value. One program is compiled per k.
+        `attention_blocks(seq_len, pos)`), each f32[n_kv_heads, block_length, head_dim] or
+        of another cache type (read widened to float32), already holding this position's key
+        and value. One program is compiled per k (and per cache type).
       pos: int32 scalar, 0 <= pos < k * block_length.
       matvec: static; "kernel" computes it with jllama's CPU kernel (positions 0 .. pos
-        only), "xla" as above (`jllama.graphs.ops.matmul` names the same choice).
+        only; XLA where the kernel does not take the blocks' type), "xla" as above (`jllama.graphs.ops.matmul` names the same choice).
 
     Returns:
       att: f32[q_dim], the attention output (heads concatenated).

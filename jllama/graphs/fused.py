@@ -28,6 +28,7 @@ from jllama.graphs.attention import (
     write_positions,
 )
 from jllama.graphs.block import block
+from jllama.graphs.cache_rows import round_trip
 from jllama.graphs.classifier import classifier
 from jllama.graphs.ops import PRECISION, norm_matmul, rope, split_qkv
 
@@ -45,8 +46,8 @@ def decode_step(
       x: f32[dim], the token's embedding row.
       layers: n_layers `LayerWeights` (see `jllama.weights`).
       key_blocks, value_blocks: n_layers tuples of each layer's first k cache blocks (k =
-        `attention_blocks(seq_len, pos)`; see `jllama.graphs.attention`), holding positions
-        < pos; read only. This position's key and value enter the attention directly (its
+        `attention_blocks(seq_len, pos)`; see `jllama.graphs.attention`; any KV cache type),
+        holding positions < pos; read only. This position's key and value enter the attention directly (its
         score and its share of the values) and are written afterwards by `write_caches`.
       pos: int32 scalar, 0 <= pos < k * block_length.
       inv_freq: f32[head_dim // 2]; rms_final_weight: f32[dim]; wcls: [vocab_size, dim].
@@ -55,7 +56,7 @@ def decode_step(
 
     Returns:
       (logits f32[vocab_size], new_k, new_v): the keys and values as n_layers arrays
-      f32[n_kv_heads, 1, head_dim] each.
+      f32[n_kv_heads, 1, head_dim] each (in float32: `write_caches` rounds them).
     """
     c = config
     scale = jnp.sqrt(jnp.float32(c.head_dim))
@@ -65,15 +66,19 @@ def decode_step(
             qkv_out = norm_matmul(layer.wqkv, x, layer.rms_att_weight, c.norm_eps, matvec)
             q, k, v = split_qkv(c, qkv_out, shards)
             q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
+            # This position's key and value as the cache will hold them (a read after the
+            # write sees them rounded to the cache's type), as the graph mode reads them.
+            k_read = round_trip(k, key_blocks[l][0].dtype)
+            v_read = round_trip(v, value_blocks[l][0].dtype)
             qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
             scores = block_scores(qg, key_blocks[l], "gmd,gsd->gms") / scale
             here = jnp.arange(scores.shape[-1]) == pos
-            own = jnp.einsum("gmd,gd->gm", qg, k, precision=PRECISION) / scale
+            own = jnp.einsum("gmd,gd->gm", qg, k_read, precision=PRECISION) / scale
             scores = jnp.where(here, own[..., None], scores)
             weights = causal_softmax(scores, pos)
             own_weight = jnp.sum(jnp.where(here, weights, 0), axis=-1)  # [g, m]
             att = block_weighted_sum(jnp.where(here, 0, weights), value_blocks[l],
-                                     "gms,gsd->gmd") + own_weight[..., None] * v[:, None, :]
+                                     "gms,gsd->gmd") + own_weight[..., None] * v_read[:, None, :]
             x = block.__wrapped__(
                 c, x, att.reshape(c.q_dim), layer.wo, layer.rms_ffn_weight, layer.w1,
                 layer.w2, layer.w3, matvec=matvec,
@@ -94,8 +99,8 @@ def write_caches(
     pos: jax.Array,
 ) -> tuple[tuple, tuple]:
     """Store each layer's new key and value at `pos`, in place. key_blocks, value_blocks: each
-    layer's cache block holding `pos` (donated: use the returned ones); new_k, new_v: n_layers
-    arrays f32[n_kv_heads, 1, head_dim] (separate arrays: slicing them out of one stacked
+    layer's cache block holding `pos` (donated: use the returned ones; any KV cache type, the
+    rows rounded to it); new_k, new_v: n_layers arrays f32[n_kv_heads, 1, head_dim] (separate arrays: slicing them out of one stacked
     array inside this program made XLA CPU rewrite every cache in full, 34 ms a token for
     SmolLM2)."""
     n = len(key_blocks)

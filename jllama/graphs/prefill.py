@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jllama import kernels
 from jllama.config import ModelConfig
 from jllama.graphs.attention import write_positions
+from jllama.graphs.cache_rows import decode, kernel_reads
 from jllama.graphs.classifier import classifier
 from jllama.graphs.ops import PRECISION, split_qkv
 from jllama.ggml_matrix import gate_up, is_ggml
@@ -86,7 +87,8 @@ def qkv_chunk(
       config: static.
       x: f32[T, dim], the residual streams of the chunk's tokens.
       rms_att_weight: f32[dim]; wqkv: [q_dim + 2 * kv_dim, dim] (f32 or bf16).
-      key_block, value_block: f32[n_kv_heads, block_length, head_dim], the cache blocks that
+      key_block, value_block: f32[n_kv_heads, block_length, head_dim] (or another KV cache
+        type, `jllama.cache_types`: the rows are rounded to it), the cache blocks that
         hold all of positions pos .. pos+T-1 (the caller's promise: a chunk never crosses a
         block boundary, and `dynamic_update_slice` would clamp one that did); donated,
         updated in place.
@@ -126,11 +128,13 @@ def attention_chunk(
       config: static.
       q: f32[T, n_heads, head_dim] after RoPE.
       key_blocks, value_blocks: the layer's first k cache blocks (k = `attention_blocks` of
-        the chunk's last position), holding the chunk's keys and values already (read only).
+        the chunk's last position), holding the chunk's keys and values already (read only;
+        any KV cache type, widened to float32).
       pos: int32 scalar; pos + T <= k * block_length.
       matvec: static; "kernel": jllama's CPU kernel (`jllama.kernels.attention_chunk`, which
         reads only the keys each token sees) where `jllama.kernels.attention_chunk_fits`
-        the shapes, else XLA's version below.
+        the shapes and it takes the blocks' type (`jllama.graphs.cache_rows.kernel_reads`),
+        else XLA's version below.
 
     Returns:
       att: f32[T, q_dim].
@@ -144,7 +148,8 @@ def attention_chunk(
     """
     c = config
     t = q.shape[0]
-    if matvec == "kernel" and kernels.attention_chunk_fits(c.head_dim, key_blocks[0].shape[1]):
+    if (matvec == "kernel" and kernel_reads(key_blocks[0], value_blocks[0])
+            and kernels.attention_chunk_fits(c.head_dim, key_blocks[0].shape[1])):
         return kernels.attention_chunk(q, key_blocks, value_blocks, pos)
     with jax.named_scope("attention_chunk"):
         # [g, m, T, d]: each KV group's queries as one matrix of kv_mul * T rows, scaled by
@@ -155,7 +160,7 @@ def attention_chunk(
         query_pos = pos + jnp.arange(t, dtype=jnp.int32)
         scores, visible = [], []
         for b, kb in enumerate(key_blocks):
-            scores.append(jnp.einsum("gmtd,gsd->gmts", qg, kb, precision=PRECISION))
+            scores.append(jnp.einsum("gmtd,gsd->gmts", qg, decode(kb), precision=PRECISION))
             # token t sees positions <= query_pos[t]: [T, size]
             visible.append(b * size + jnp.arange(size, dtype=jnp.int32) <= query_pos[:, None])
         top = functools.reduce(jnp.maximum, [
@@ -164,7 +169,7 @@ def attention_chunk(
         probs = [jnp.where(v, jnp.exp(s - top), 0) for s, v in zip(scores, visible)]
         total = functools.reduce(jnp.add, [jnp.sum(p, axis=-1) for p in probs])
         att = functools.reduce(jnp.add, [
-            jnp.einsum("gmts,gsd->gmtd", p, vb, precision=PRECISION)
+            jnp.einsum("gmts,gsd->gmtd", p, decode(vb), precision=PRECISION)
             for p, vb in zip(probs, value_blocks, strict=True)
         ]) / total[..., None]
     return att.transpose(2, 0, 1, 3).reshape(t, c.q_dim)

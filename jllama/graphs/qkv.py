@@ -10,6 +10,7 @@ import jax
 from jllama import kernels
 from jllama.config import ModelConfig
 from jllama.graphs.attention import write_positions
+from jllama.graphs.cache_rows import kernel_reads
 from jllama.graphs.ops import norm_matmul, rope, split_qkv
 
 
@@ -43,16 +44,18 @@ def qkv(
       x: f32[dim], the residual stream.
       rms_att_weight: f32[dim], this layer's attention RMSNorm gains.
       wqkv: f32[q_dim + 2 * kv_dim, dim], this layer's wq, wk, wv rows stacked (out x in).
-      key_block, value_block: f32[n_kv_heads, block_length, head_dim], the layer's cache
-        blocks holding `pos` (block pos // block_length, see `jllama.graphs.attention`);
-        donated: updated in place, so the arguments must not be used afterwards.
+      key_block, value_block: f32[n_kv_heads, block_length, head_dim] (or another KV cache
+        type, `jllama.cache_types`: the rows are rounded to it), the layer's cache blocks
+        holding `pos` (block pos // block_length, see `jllama.graphs.attention`); donated:
+        updated in place, so the arguments must not be used afterwards.
       pos: int32 scalar, the token's position, 0 <= pos < seq_len.
       inv_freq: f32[head_dim // 2], from `jllama.rope.rope_frequencies`.
       shards: static; the number of groups wqkv's rows come in (`jllama.graphs.ops.split_qkv`):
         1 on one device, the device count under tensor parallelism.
       matvec: static; how the product runs, "xla" or "kernel" (`jllama.graphs.ops.matmul`).
         With "kernel" on one device (shards == 1) RoPE and the cache write are one kernel
-        call too (`jllama.kernels.rope_write`: cosf / sinf as run.c, where XLA has its own).
+        call too (`jllama.kernels.rope_write`: cosf / sinf as run.c, where XLA has its own),
+        where the kernel takes the blocks' type (`jllama.graphs.cache_rows.kernel_reads`).
 
     Returns:
       (q: f32[n_heads, head_dim] after RoPE, key_block, value_block updated at
@@ -61,7 +64,7 @@ def qkv(
     c = config
     with jax.named_scope("qkv"):
         qkv_out = norm_matmul(wqkv, x, rms_att_weight, c.norm_eps, matvec)
-    if matvec == "kernel" and shards == 1:
+    if matvec == "kernel" and shards == 1 and kernel_reads(key_block, value_block):
         with jax.named_scope("rope_cache_write"):
             return kernels.rope_write(qkv_out, pos, inv_freq, key_block, value_block)
     with jax.named_scope("qkv"):

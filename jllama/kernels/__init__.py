@@ -50,7 +50,8 @@ TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS[:3], strict=True))
 GROUPED_INT8 = SYMBOLS[3]
 """The handler for int8 with one scale per group of a row (`Int8Matrix.grouped`)."""
 ATTENTION = SYMBOLS[4]
-"""The handler for one token's attention over float32 cache blocks."""
+"""The handler for one token's attention over cache blocks of any KV cache type (results
+float32, as every `_f32` handler's)."""
 SAMPLE = SYMBOLS[5]
 """The handler for drawing one token from logits as run.c's sampler."""
 ARGMAX = SYMBOLS[6]
@@ -59,7 +60,7 @@ ROPE_WRITE = SYMBOLS[7]
 """The handler for RoPE on one token's queries and keys plus the write of its key and value
 into the layer's cache block."""
 ATTENTION_CHUNK = SYMBOLS[8]
-"""The handler for a prefill chunk's causal attention over float32 cache blocks."""
+"""The handler for a prefill chunk's causal attention over cache blocks of any KV cache type."""
 MATVEC_GGML, DEQUANTIZE_GGML, ROWS_GGML, MATMUL_GGML = SYMBOLS[9:13]
 """The handlers for GGML blocks (`jllama.ggml_matrix`): a product with stacked parts of any
 types, the parts dequantized to float32, rows of a table dequantized, and the product with the
@@ -230,17 +231,21 @@ def attention(
 
     Args:
       qg: f32[n_kv_heads, kv_mul, head_dim], the queries after RoPE, grouped by key head.
-      key_blocks, value_blocks: the layer's first k cache blocks, each f32[n_kv_heads,
-        block_length, head_dim] (`jllama.graphs.attention`), positions 0 .. pos written.
+      key_blocks, value_blocks: the layer's first k cache blocks (`jllama.graphs.attention`),
+        positions 0 .. pos written; keys of one KV cache type and values of one
+        (`jllama.cache_types`, told by the dtype): f32/f16/bf16[n_kv_heads, block_length,
+        head_dim] or q8_0's uint8[n_kv_heads, block_length, head_dim // 32 * 34]. Each stored
+        value is widened to float32 (q8_0: d * q) and the arithmetic is float32.
       pos: int32 scalar, 0 <= pos < k * block_length (checked by the kernel: an error at
         run time, not a wrong read).
       cur, key_cur, value_cur: optionally block `cur` (int32 scalar) given apart, as the
         decode loop holds it; key_blocks[cur] and value_blocks[cur] are then not read.
 
     Returns:
-      f32[n_kv_heads, kv_mul, head_dim]. Each head's sums run in a fixed order on one thread
-      (bits do not depend on the thread count); they differ from XLA's masked softmax by float
-      rounding only.
+      f32[n_kv_heads, kv_mul, head_dim]. Each key and value row is read once for the kv_mul
+      query heads of its key head, in spans of 256 positions shared among the threads, whose
+      partial softmaxes are merged in span order (attention_decode.cc): the bits do not depend
+      on the thread count, and differ from XLA's masked softmax by float rounding only.
     """
     if cur is None:
         cur, key_cur, value_cur = jnp.int32(-1), key_blocks[0], value_blocks[0]
@@ -309,19 +314,25 @@ def rope_write(
         device's stacked product, `jllama.graphs.ops.split_qkv` with shards=1).
       pos: int32 scalar >= 0, the token's position.
       inv_freq: f32[head_dim // 2], `jllama.rope.rope_frequencies`.
-      key_block, value_block: f32[n_kv_heads, block_length, head_dim], the blocks holding pos.
+      key_block, value_block: the blocks holding pos, each of a KV cache type
+        (`jllama.cache_types`, told by its dtype; keys and values each their own):
+        f32/f16/bf16[n_kv_heads, block_length, head_dim] or q8_0's uint8[n_kv_heads,
+        block_length, head_dim // 32 * 34].
 
     Returns:
       (q: f32[n_heads, head_dim] after RoPE, key_block, value_block with this token's key (after
-      RoPE) and value at pos % block_length). Shapes that do not agree, or pos < 0, are an
-      error from the kernel.
+      RoPE) and value at pos % block_length, rounded to the block's type: f16 and bf16 to
+      nearest even, q8_0 as llama.cpp's CPU backend writes a q8_0 cache row (per 32 values d =
+      max|x| / 127 as float16, q = x * 127 / max|x| rounded half to even; cache_rows.h)).
+      Shapes that do not agree, or pos < 0, are an error from the kernel.
     """
-    n_kv, _, head_dim = key_block.shape
+    n_kv = key_block.shape[0]
+    head_dim = 2 * inv_freq.shape[0]
     n_heads = qkv.shape[0] // head_dim - 2 * n_kv
     out = (
         jax.ShapeDtypeStruct((n_heads, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct(key_block.shape, jnp.float32),
-        jax.ShapeDtypeStruct(value_block.shape, jnp.float32),
+        jax.ShapeDtypeStruct(key_block.shape, key_block.dtype),
+        jax.ShapeDtypeStruct(value_block.shape, value_block.dtype),
     )
     return jax.ffi.ffi_call(ROPE_WRITE, out, input_output_aliases={3: 1, 4: 2})(
         qkv.astype(jnp.float32), jnp.asarray(pos, jnp.int32), inv_freq.astype(jnp.float32),
@@ -362,10 +373,10 @@ def attention_chunk(q: jax.Array, key_blocks, value_blocks, pos: jax.Array) -> j
     Args:
       q: f32[T, n_heads, head_dim], the chunk's queries after RoPE; head_dim as
         `attention_chunk_fits`.
-      key_blocks, value_blocks: the layer's first k cache blocks, each f32[n_kv_heads,
-        block_length, head_dim] (block_length as `attention_chunk_fits`), holding positions
-        0 .. pos + T - 1 (the chunk's own keys and values already written); later positions
-        are not read.
+      key_blocks, value_blocks: the layer's first k cache blocks, holding positions 0 .. pos
+        + T - 1 (the chunk's own keys and values already written; later positions are not
+        used); of any KV cache type as `attention` takes them (block_length as
+        `attention_chunk_fits`).
       pos: int32 scalar, the chunk's first position; 0 <= pos and pos + T <= k * block_length
         (checked by the kernel: an error at run time, not a wrong read).
 

@@ -1,135 +1,17 @@
-// Attention over a layer's cache blocks and the cache writes before it: one token's attention
-// (decode, `jllama_attention_f32`), a prefill chunk's causal attention
-// (`jllama_attention_chunk_f32`), and one token's RoPE and cache write (`jllama_rope_write_f32`).
+// Attention over a layer's cache blocks and the cache writes before it: a prefill chunk's causal
+// attention (`jllama_attention_chunk_f32`) and one token's RoPE and cache write
+// (`jllama_rope_write_f32`); one token's attention (decode) is attention_decode.cc. The blocks
+// are of any KV cache type (cache_rows.h), keys and values each their own.
 
+#include "cache_rows.h"
 #include "kernels.h"
 #include "simd.h"
 
 namespace jllama {
 namespace {
 
-// ---------------------------------------------------------------------------------------------
-// Attention of one token over a layer's cache (decode), as llama2.c run.c: for each query head
-// h, scores q_h . k_t / sqrt(head_dim) against key head h / kv_mul for t = 0 .. pos, softmax,
-// and the weighted sum of the values. XLA's version multiplies q by whole 256-position blocks
-// and masks the unused positions; this one reads only positions 0 .. pos and is one call per
-// layer in place of about fifteen small programs (bench/NOTES.md).
-
-// One layer's cache as blocks of `block` positions: block b is blocks[b], except block `cur`,
-// which is given apart (the decode loop writes it in the same program).
-struct Cache {
-  const float* const* blocks;  // [n_blocks] of f32[n_kv_heads, block, head_dim]
-  const float* current;
-  int64_t cur, block;
-
-  const float* row(int64_t t, int64_t g, int64_t head_dim) const {
-    int64_t b = t / block;
-    const float* base = b == cur ? current : blocks[b];
-    return base + (g * block + t % block) * head_dim;
-  }
-};
-
-struct Attention {
-  const float* q;  // [n_kv_heads, kv_mul, head_dim]
-  float* out;      // the same shape
-  Cache keys, values;
-  int64_t n_kv, kv_mul, head_dim, pos;
-};
-
-// Query head u of `a` (head u = g * kv_mul + m attends with key head g); scores: scratch
-// f32[pos + 1]. Also the batched decode's attention (batch.cc), so a sequence's heads are
-// computed by the same code alone or in a batch.
-inline void attend_head(const Attention& a, int64_t u, float* scores) {
-  const int64_t len = a.pos + 1, hd = a.head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t g = u / a.kv_mul, m = u % a.kv_mul;
-  const float* q = a.q + (g * a.kv_mul + m) * hd;
-  float* out = a.out + (g * a.kv_mul + m) * hd;
-  float top = -INFINITY;
-  for (int64_t t = 0; t < len; ++t) {
-    scores[t] = dot_head(q, a.keys.row(t, g, hd), hd) * scale;
-    top = std::max(top, scores[t]);
-  }
-  // exp(s - top), summed in 16 lanes then halve16.
-  float lanes[16] = {0};
-  int64_t t = 0;
-#if JLLAMA_AVX512
-  __m512 sum = _mm512_setzero_ps();
-  for (; t + 16 <= len; t += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(&scores[t]), _mm512_set1_ps(top)));
-    _mm512_storeu_ps(&scores[t], e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  _mm512_storeu_ps(lanes, sum);
-#elif JLLAMA_AVX2
-  __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
-  for (; t + 16 <= len; t += 16) {
-    const __m256 lo = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t]), _mm256_set1_ps(top)));
-    const __m256 hi = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t + 8]), _mm256_set1_ps(top)));
-    _mm256_storeu_ps(&scores[t], lo);
-    _mm256_storeu_ps(&scores[t + 8], hi);
-    sum_lo = _mm256_add_ps(sum_lo, lo);
-    sum_hi = _mm256_add_ps(sum_hi, hi);
-  }
-  _mm256_storeu_ps(lanes, sum_lo);
-  _mm256_storeu_ps(lanes + 8, sum_hi);
-#endif
-  for (; t < len; ++t) {
-    scores[t] = std::exp(scores[t] - top);
-    lanes[t % 16] += scores[t];
-  }
-  const float inv = 1.0f / halve16(lanes);
-  std::memset(out, 0, sizeof(float) * hd);
-  for (t = 0; t < len; ++t) {
-    const float w = scores[t] * inv;
-    const float* v = a.values.row(t, g, hd);
-    for (int64_t d = 0; d < hd; ++d) out[d] += w * v[d];
-  }
-}
-
-// Query heads [begin, end): one thread per query head, so the result does not depend on the
-// thread count. (One per key head left a thread idle a third of the time on SmolLM2's 3 key
-// heads and 2 threads.)
-void attention_heads(const Product& p, int64_t begin, int64_t end) {
-  const Attention& a = *static_cast<const Attention*>(p.w);
-  std::unique_ptr<float[]> scores(new float[a.pos + 1]);
-  for (int64_t u = begin; u < end; ++u) attend_head(a, u, scores.get());
-}
-
 bool same(const ffi::AnyBuffer::Dimensions& a, const ffi::AnyBuffer::Dimensions& b) {
   return std::equal(a.begin(), a.end(), b.begin(), b.end());
-}
-
-ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
-                        S32Scalar pos, S32Scalar cur,
-                        F32Heads key_cur, F32Heads value_cur,
-                        ffi::RemainingArgs blocks, F32HeadsResult out) {
-  const auto qd = q.dimensions(), cd = key_cur.dimensions();
-  const int64_t n_kv = qd[0], kv_mul = qd[1], hd = qd[2], block = cd[1];
-  if (cd[0] != n_kv || cd[2] != hd || !same(value_cur.dimensions(), cd) ||
-      !same(out->dimensions(), qd) || blocks.size() % 2 != 0 || blocks.size() == 0)
-    return ffi::Error::InvalidArgument(
-        "jllama attention: q[g, m, d], caches [g, B, d] and an even number of blocks");
-  const int64_t n = static_cast<int64_t>(blocks.size() / 2);
-  std::unique_ptr<const float*[]> ptrs(new const float*[2 * n]);
-  for (int64_t i = 0; i < 2 * n; ++i) {
-    auto b = blocks.get<F32Heads>(i);
-    if (b.has_error()) return b.error();
-    if (!same(b->dimensions(), cd))
-      return ffi::Error::InvalidArgument("jllama attention: blocks must match key_cur's shape");
-    ptrs[i] = b->typed_data();
-  }
-  const int64_t p = *pos.typed_data();
-  if (p < 0 || p >= n * block)
-    return ffi::Error::InvalidArgument("jllama attention: pos outside the blocks given");
-  Attention a{q.typed_data(), out->typed_data(),
-              Cache{ptrs.get(), key_cur.typed_data(), *cur.typed_data(), block},
-              Cache{ptrs.get() + n, value_cur.typed_data(), *cur.typed_data(), block},
-              n_kv, kv_mul, hd, p};
-  // One "row" per query head; its work is the positions' keys and values it reads.
-  run(pool.num_threads(), Product{attention_heads, &a, nullptr, nullptr, nullptr, 2 * (p + 1) * hd},
-      n_kv * kv_mul);
-  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -155,14 +37,31 @@ ffi::Error AttentionF32(ffi::ThreadPool pool, F32Heads q,
 struct ChunkAttention {
   const float* q;  // [T, n_heads, head_dim], after RoPE
   float* out;      // [T, n_heads * head_dim]
-  std::unique_ptr<const float*[]> blocks;  // k key blocks, then k value blocks
+  std::unique_ptr<const uint8_t*[]> blocks;  // k key blocks, then k value blocks
   int64_t n_blocks, t, n_heads, kv_mul, hd, block, pos;
+  RowType key_type, value_type;
+  int64_t key_bytes, value_bytes;  // per row
 
-  const float* key_row(int64_t j, int64_t g) const {
-    return blocks[j / block] + (g * block + j % block) * hd;
+  // Key rows j .. j + 15 of key head g (j a multiple of 16, so one block's) as f32[16, hd]:
+  // the cache's own rows when it is float32, else widened into `tile` (f32[16 * hd]).
+  const float* keys16(int64_t j, int64_t g, float* tile) const {
+    const uint8_t* row = blocks[j / block] + (g * block + j % block) * key_bytes;
+    if (key_type == RowType::kF32) return reinterpret_cast<const float*>(row);
+    for (int64_t r = 0; r < 16; ++r) widen_row(key_type, row + r * key_bytes, hd, tile + r * hd);
+    return tile;
   }
-  const float* value_row(int64_t j, int64_t g) const {
-    return blocks[n_blocks + j / block] + (g * block + j % block) * hd;
+  // Values 16 c .. 16 c + 15 of value rows j .. j + 15 of key head g as float32, row r at
+  // result + r * *stride: the cache's own when float32, else widened into `tile` (f32[256]).
+  const float* values16(int64_t j, int64_t g, int64_t c, float* tile, int64_t* stride) const {
+    const uint8_t* row = blocks[n_blocks + j / block] + (g * block + j % block) * value_bytes;
+    if (value_type == RowType::kF32) {
+      *stride = hd;
+      return reinterpret_cast<const float*>(row) + 16 * c;
+    }
+    for (int64_t r = 0; r < 16; ++r)
+      widen_part(value_type, row + r * value_bytes, 16 * c, 16, tile + 16 * r);
+    *stride = 16;
+    return tile;
   }
 };
 
@@ -181,11 +80,13 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
     for (int64_t d = 0; d < HD; ++d)
       qt[d * R + r] = r < rows ? a.q[((t0 + r) * a.n_heads + h) * HD + d] * scale : 0.0f;
   alignas(64) float total[R];
+  alignas(64) float kt[R * HD], vt[R * 16];  // rows widened from a narrower cache type
+  int64_t vs;                                 // values16's row stride
 #if JLLAMA_AVX512
   // Scores, 16 keys at a time (a tile of keys never crosses a cache block: block % 16 == 0);
   // a last partial tile computes keys past len that nothing reads.
   for (int64_t j0 = 0; j0 < len; j0 += R) {
-    const float* k = a.key_row(j0, g);
+    const float* k = a.keys16(j0, g, kt);
     __m512 acc[R];
     for (int64_t jj = 0; jj < R; ++jj) acc[jj] = _mm512_setzero_ps();
     for (int64_t d = 0; d < HD; ++d) {
@@ -214,10 +115,10 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < len; j0 += R) {
-      const float* v = a.value_row(j0, g) + c * 16;
+      const float* v = a.values16(j0, g, c, vt, &vs);
       const int64_t n = std::min(R, len - j0);
       for (int64_t jj = 0; jj < n; ++jj) {
-        const __m512 vv = _mm512_loadu_ps(v + jj * HD);
+        const __m512 vv = _mm512_loadu_ps(v + jj * vs);
         const float* p = st + (j0 + jj) * R;
         for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), vv, acc[r]);
       }
@@ -230,7 +131,7 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
   // The same order of operations on AVX2's 16 registers of 8 lanes: the 16 rows as two halves
   // (lo: rows 0-7, hi: 8-15), 4 keys or 4 rows at a time so that the sums stay in registers.
   for (int64_t j0 = 0; j0 < len; j0 += R) {
-    const float* k = a.key_row(j0, g);
+    const float* k = a.keys16(j0, g, kt);
     for (int64_t k4 = 0; k4 < R; k4 += 4) {
       __m256 acc[4][2];
       for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -276,10 +177,10 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
       __m256 acc[4][2];
       for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
       for (int64_t j0 = 0; j0 < len; j0 += R) {
-        const float* v = a.value_row(j0, g) + c * 16;
+        const float* v = a.values16(j0, g, c, vt, &vs);
         const int64_t n = std::min(R, len - j0);
         for (int64_t jj = 0; jj < n; ++jj) {
-          const __m256 vlo = _mm256_loadu_ps(v + jj * HD), vhi = _mm256_loadu_ps(v + jj * HD + 8);
+          const __m256 vlo = _mm256_loadu_ps(v + jj * vs), vhi = _mm256_loadu_ps(v + jj * vs + 8);
           const float* p = st + (j0 + jj) * R + r4;
           for (int i = 0; i < 4; ++i) {
             const __m256 w = _mm256_broadcast_ss(p + i);
@@ -299,7 +200,7 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
   // The same order of operations in plain loops over 16-float rows, which the compiler
   // vectorizes (AVX2: two registers a row); exp is std::exp.
   for (int64_t j0 = 0; j0 < len; j0 += R) {
-    const float* k = a.key_row(j0, g);
+    const float* k = a.keys16(j0, g, kt);
     float acc[R][R] = {};  // [key][row]
     for (int64_t d = 0; d < HD; ++d)
       for (int64_t jj = 0; jj < R; ++jj) {
@@ -324,11 +225,14 @@ void chunk_tile(const ChunkAttention& a, int64_t h, int64_t tile, float* st) {
     }
   for (int64_t c = 0; c < D; ++c) {
     float acc[R][16] = {};  // [row][column]
-    for (int64_t j = 0; j < len; ++j) {
-      const float* v = a.value_row(j, g) + c * 16;
-      for (int64_t r = 0; r < R; ++r) {
-        const float p = st[j * R + r];
-        for (int64_t i = 0; i < 16; ++i) acc[r][i] = std::fma(p, v[i], acc[r][i]);
+    for (int64_t j0 = 0; j0 < len; j0 += R) {
+      const float* v16 = a.values16(j0, g, c, vt, &vs);
+      for (int64_t j = j0; j < std::min(len, j0 + R); ++j) {
+        const float* v = v16 + (j - j0) * vs;
+        for (int64_t r = 0; r < R; ++r) {
+          const float p = st[j * R + r];
+          for (int64_t i = 0; i < 16; ++i) acc[r][i] = std::fma(p, v[i], acc[r][i]);
+        }
       }
     }
     for (int64_t r = 0; r < rows; ++r)
@@ -371,24 +275,33 @@ ffi::Error AttentionChunkF32(ffi::ThreadPool pool, F32Heads q, S32Scalar pos,
   auto work = std::make_shared<ChunkWork>();
   ChunkAttention& a = work->a;
   a.n_blocks = static_cast<int64_t>(blocks.size() / 2);
-  a.blocks.reset(new const float*[2 * a.n_blocks]);
-  ffi::AnyBuffer::Dimensions cd;
-  for (int64_t i = 0; i < 2 * a.n_blocks; ++i) {
-    auto b = blocks.get<F32Heads>(i);
-    if (b.has_error()) return b.error();
-    if (i == 0) cd = b->dimensions();
-    if (!same(b->dimensions(), cd))
-      return ffi::Error::InvalidArgument("jllama attention_chunk: cache blocks of one shape");
-    a.blocks[i] = b->typed_data();
-  }
-  const int64_t n_kv = cd[0];
-  a.t = t, a.n_heads = n_heads, a.hd = hd, a.block = cd[1], a.pos = *pos.typed_data();
-  if (cd[2] != hd || hd % 16 != 0 || hd < 16 || hd > 128 || n_kv < 1 || n_heads % n_kv != 0 ||
-      a.block % kChunkTile != 0 || out->dimensions()[0] != t ||
+  a.blocks.reset(new const uint8_t*[2 * a.n_blocks]);
+  if (hd % 16 != 0 || hd < 16 || hd > 128 || out->dimensions()[0] != t ||
       out->dimensions()[1] != n_heads * hd)
     return ffi::Error::InvalidArgument(
-        "jllama attention_chunk: q[T, n_heads, head_dim] (head_dim 16, 32, ..., 128), blocks "
-        "[n_kv_heads, B, head_dim] (B a multiple of 16) and out[T, n_heads * head_dim]");
+        "jllama attention_chunk: q[T, n_heads, head_dim] (head_dim 16, 32, ..., 128) and "
+        "out[T, n_heads * head_dim]");
+  Blocks keys, values;
+  for (int64_t i = 0; i < 2 * a.n_blocks; ++i) {
+    auto b = blocks.get<ffi::AnyBuffer>(i);
+    if (b.has_error()) return b.error();
+    const bool key = i < a.n_blocks;
+    if (ffi::Error e = check_block(*b, hd, key ? &keys : &values,
+                                   key ? "jllama attention_chunk: key blocks"
+                                       : "jllama attention_chunk: value blocks");
+        e.failure())
+      return e;
+    a.blocks[i] = static_cast<const uint8_t*>(b->untyped_data());
+  }
+  const int64_t n_kv = keys.n_kv;
+  a.t = t, a.n_heads = n_heads, a.hd = hd, a.block = keys.block, a.pos = *pos.typed_data();
+  a.key_type = keys.type, a.value_type = values.type;
+  a.key_bytes = row_bytes(keys.type, hd), a.value_bytes = row_bytes(values.type, hd);
+  if (values.n_kv != n_kv || values.block != keys.block || n_heads % n_kv != 0 ||
+      a.block % kChunkTile != 0)
+    return ffi::Error::InvalidArgument(
+        "jllama attention_chunk: key and value blocks [n_kv_heads, B, .] alike, n_heads a "
+        "multiple of n_kv_heads, B a multiple of 16");
   if (a.pos < 0 || t < 1 || a.pos + t > a.n_blocks * a.block)
     return ffi::Error::InvalidArgument("jllama attention_chunk: positions outside the blocks");
   a.kv_mul = n_heads / n_kv;
@@ -430,12 +343,13 @@ inline void rotate(const float* in, const float* cos, const float* sin, int64_t 
 
 // One token's RoPE and cache write (`RopeWriteF32`; also the batched decode's, batch.cc): x,
 // its qkv f32[(n_heads + 2 n_kv) hd]; q: f32[n_heads, hd] out; keys, values: the blocks
-// f32[n_kv, block, hd] holding p, written at p % block.
+// [n_kv, block, .] holding p, of types key_type and value_type, written at p % block (the key
+// after RoPE and the value, each rounded to its block's type, cache_rows.h's `store_row`).
 inline void rope_write_one(const float* x, int64_t p, const float* inv_freq, int64_t n_heads,
-                           int64_t n_kv, int64_t hd, int64_t block, float* q, float* keys,
-                           float* values) {
-  std::unique_ptr<float[]> cs(new float[hd]);
-  float *cos = cs.get(), *sin = cs.get() + hd / 2;
+                           int64_t n_kv, int64_t hd, int64_t block, float* q, uint8_t* keys,
+                           RowType key_type, uint8_t* values, RowType value_type) {
+  std::unique_ptr<float[]> cs(new float[2 * hd]);
+  float *cos = cs.get(), *sin = cs.get() + hd / 2, *key = cs.get() + hd;
   for (int64_t i = 0; i < hd / 2; ++i) {
     const float angle = static_cast<float>(p) * inv_freq[i];
     cos[i] = std::cos(angle);
@@ -443,35 +357,48 @@ inline void rope_write_one(const float* x, int64_t p, const float* inv_freq, int
   }
   for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * hd, cos, sin, hd, q + h * hd);
   const float *k = x + n_heads * hd, *v = k + n_kv * hd;
-  const int64_t at = p % block;
+  const int64_t at = p % block, kb = row_bytes(key_type, hd), vb = row_bytes(value_type, hd);
   for (int64_t g = 0; g < n_kv; ++g) {
-    rotate(k + g * hd, cos, sin, hd, keys + (g * block + at) * hd);
-    std::memcpy(values + (g * block + at) * hd, v + g * hd, sizeof(float) * hd);
+    rotate(k + g * hd, cos, sin, hd, key);
+    store_row(key_type, key, hd, keys + (g * block + at) * kb);
+    store_row(value_type, v + g * hd, hd, values + (g * block + at) * vb);
   }
 }
 
-ffi::Error RopeWriteF32(F32Vector qkv, S32Scalar pos, F32Vector inv_freq, F32Heads key_block,
-                        F32Heads value_block, F32MatrixResult q, F32HeadsResult key_out,
-                        F32HeadsResult value_out) {
-  const auto cd = key_block.dimensions(), qd = q->dimensions();
-  const int64_t n_kv = cd[0], block = cd[1], hd = cd[2], n_heads = qd[0];
-  if (qd[1] != hd || hd % 2 != 0 || inv_freq.dimensions()[0] != hd / 2 ||
-      qkv.dimensions()[0] != (n_heads + 2 * n_kv) * hd || !same(value_block.dimensions(), cd) ||
-      !same(key_out->dimensions(), cd) || !same(value_out->dimensions(), cd))
+ffi::Error RopeWriteF32(F32Vector qkv, S32Scalar pos, F32Vector inv_freq,
+                        ffi::AnyBuffer key_block, ffi::AnyBuffer value_block,
+                        F32MatrixResult q, ffi::Result<ffi::AnyBuffer> key_out,
+                        ffi::Result<ffi::AnyBuffer> value_out) {
+  const auto qd = q->dimensions();
+  const int64_t hd = 2 * inv_freq.dimensions()[0], n_heads = qd[0];
+  Blocks keys, values;
+  if (ffi::Error e = check_block(key_block, hd, &keys, "jllama rope_write: key_block");
+      e.failure())
+    return e;
+  if (ffi::Error e = check_block(value_block, hd, &values, "jllama rope_write: value_block");
+      e.failure())
+    return e;
+  const int64_t n_kv = keys.n_kv, block = keys.block;
+  if (hd < 2 || qd[1] != hd || qkv.dimensions()[0] != (n_heads + 2 * n_kv) * hd ||
+      values.n_kv != n_kv || values.block != block ||
+      key_out->element_type() != key_block.element_type() ||
+      !same(key_out->dimensions(), key_block.dimensions()) ||
+      value_out->element_type() != value_block.element_type() ||
+      !same(value_out->dimensions(), value_block.dimensions()))
     return ffi::Error::InvalidArgument(
         "jllama rope_write: qkv[(n_heads + 2 n_kv_heads) head_dim], q[n_heads, head_dim], "
-        "inv_freq[head_dim / 2] and caches [n_kv_heads, B, head_dim] do not agree");
+        "inv_freq[head_dim / 2] and caches [n_kv_heads, B, .] do not agree");
   const int64_t p = *pos.typed_data();
   if (p < 0) return ffi::Error::InvalidArgument("jllama rope_write: negative pos");
   // The caches are aliased to their results; should XLA ever hand over another buffer, carry
   // the old contents over first.
-  const size_t bytes = sizeof(float) * n_kv * block * hd;
-  if (key_out->typed_data() != key_block.typed_data())
-    std::memcpy(key_out->typed_data(), key_block.typed_data(), bytes);
-  if (value_out->typed_data() != value_block.typed_data())
-    std::memcpy(value_out->typed_data(), value_block.typed_data(), bytes);
+  if (key_out->untyped_data() != key_block.untyped_data())
+    std::memcpy(key_out->untyped_data(), key_block.untyped_data(), key_block.size_bytes());
+  if (value_out->untyped_data() != value_block.untyped_data())
+    std::memcpy(value_out->untyped_data(), value_block.untyped_data(), value_block.size_bytes());
   rope_write_one(qkv.typed_data(), p, inv_freq.typed_data(), n_heads, n_kv, hd, block,
-                 q->typed_data(), key_out->typed_data(), value_out->typed_data());
+                 q->typed_data(), static_cast<uint8_t*>(key_out->untyped_data()), keys.type,
+                 static_cast<uint8_t*>(value_out->untyped_data()), values.type);
   return ffi::Error::Success();
 }
 
@@ -494,19 +421,13 @@ extern "C" int jllama_vector_width() {
 
 // Parenthesized: the commas between the template arguments would split the macro's arguments.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jllama_attention_f32, AttentionF32,
-    (args<F32Heads, S32Scalar, S32Scalar, F32Heads, F32Heads>(  // q, pos, cur, key_cur, value_cur
-         ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
-         .RemainingArgs()  // the cache blocks
-         .Ret<F32Heads>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jllama_attention_chunk_f32, AttentionChunkF32,
     (args<F32Heads, S32Scalar>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())  // q, pos
          .RemainingArgs()  // the cache blocks
          .Ret<F32Matrix>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jllama_rope_write_f32, RopeWriteF32,
-    (rets<F32Matrix, F32Heads, F32Heads>(  // q, key_block, value_block
-        args<F32Vector, S32Scalar, F32Vector, F32Heads, F32Heads>(ffi::Ffi::Bind()))));
+    (rets<F32Matrix, ffi::AnyBuffer, ffi::AnyBuffer>(  // q, key_block, value_block
+        args<F32Vector, S32Scalar, F32Vector, ffi::AnyBuffer, ffi::AnyBuffer>(ffi::Ffi::Bind()))));
 
 }  // namespace jllama

@@ -2,8 +2,8 @@
 // weight row once for all B vectors, and each sequence's RoPE, cache write and attention run on
 // its own caches. Batch invariant: every (row, vector) sum is `dot`'s (simd.h) over the same
 // input as the single-vector kernels' (matvec.cc), and every sequence's attention is
-// `attend_head` after `rope_write_one` (attention.cc), so row b of a batch has the bits of that
-// sequence decoded alone, whatever B is and whatever the other rows hold.
+// `attend`'s (attention_decode.cc) after `rope_write_one` (attention.cc), so row b of a batch
+// has the bits of that sequence decoded alone, whatever B is and whatever the other rows hold.
 //
 //   jllama_matvec_batch_f32 / _bf16 / _int8 / _int8_groups
 //       y[b, i] = (add[b, i] +) w[i, :] . f(x[b, :])   x: f32[B, n], y: f32[B, m]
@@ -14,8 +14,10 @@
 //       the same for GGML parts (`jllama_matvec_ggml`'s), each row as that handler's product.
 //   jllama_rope_attend_batch_f32
 //       per sequence b < count: `rope_write` of qkv[b] at pos[b] into its current cache blocks,
-//       then `attention` over its blocks; att: f32[B, n_heads * head_dim].
+//       then `attention` over its blocks (of any KV cache type, cache_rows.h); att: f32[B,
+//       n_heads * head_dim].
 
+#include "cache_rows.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -426,87 +428,78 @@ auto batch_binding() {
 // ---------------------------------------------------------------------------------------------
 // RoPE, cache write and attention of B sequences, each on its own cache (one layer's).
 
-struct BatchAttention {
-  std::vector<Attention> seqs;  // the live sequences'
-  int64_t heads;                // query heads per sequence
-  int64_t longest;              // the most positions a sequence attends over
-};
-
-// Units [begin, end): unit u is query head u % heads of sequence u / heads.
-void attention_batch_units(const Product& p, int64_t begin, int64_t end) {
-  const BatchAttention& a = *static_cast<const BatchAttention*>(p.w);
-  std::unique_ptr<float[]> scores(new float[a.longest]);
-  for (int64_t u = begin; u < end; ++u) attend_head(a.seqs[u / a.heads], u % a.heads, scores.get());
-}
-
 // Arguments: qkv f32[B, (n_heads + 2 n_kv) hd], pos s32[B], count s32, inv_freq f32[hd / 2],
 // then the remaining: B current key blocks, B current value blocks (block pos[b] / block_length
 // of sequence b, aliased to the results 1 .. 2B), then B * K key blocks (sequence b's blocks
 // 0 .. K-1 at b * K ..; the slot of its current block and any it does not reach are not read),
-// then B * K value blocks. Results: att f32[B, n_heads * hd], then the 2B current blocks.
+// then B * K value blocks. Key blocks of one cache type, value blocks of one (each its own).
+// Results: att f32[B, n_heads * hd], then the 2B current blocks.
 ffi::Error RopeAttendBatchF32(ffi::ThreadPool pool, F32Matrix qkv, S32Vector pos,
                               S32Scalar count, F32Vector inv_freq, ffi::RemainingArgs blocks,
                               F32MatrixResult att, ffi::RemainingRets current) {
   const int64_t batch = qkv.dimensions()[0], width = qkv.dimensions()[1];
   const int64_t hd = 2 * inv_freq.dimensions()[0];
-  if (pos.dimensions()[0] != batch || att->dimensions()[0] != batch ||
+  if (pos.dimensions()[0] != batch || att->dimensions()[0] != batch || batch < 1 || hd < 2 ||
       current.size() != static_cast<size_t>(2 * batch) ||
-      blocks.size() < static_cast<size_t>(4 * batch) || (blocks.size() - 2 * batch) % (2 * batch) != 0)
+      blocks.size() < static_cast<size_t>(4 * batch) ||
+      (blocks.size() - 2 * batch) % (2 * batch) != 0)
     return ffi::Error::InvalidArgument(
         "jllama rope_attend_batch: qkv[B, .], pos[B], 2B current blocks and 2B * K blocks");
   const int64_t k_blocks = static_cast<int64_t>((blocks.size() - 2 * batch) / (2 * batch));
   const int64_t live = std::clamp<int64_t>(*count.typed_data(), 0, batch);
-  auto first = blocks.get<F32Heads>(0);
-  if (first.has_error()) return first.error();
-  const auto cd = first->dimensions();
-  const int64_t n_kv = cd[0], block = cd[1];
-  const int64_t q_dim = att->dimensions()[1], n_heads = q_dim / std::max<int64_t>(1, hd);
-  if (cd[2] != hd || n_heads * hd != q_dim || (n_heads + 2 * n_kv) * hd != width ||
-      n_kv < 1 || n_heads % n_kv != 0)
+  Blocks keys, values;
+  const char* kwhat = "jllama rope_attend_batch: key blocks";
+  const char* vwhat = "jllama rope_attend_batch: value blocks";
+  std::unique_ptr<const uint8_t*[]> ptrs(new const uint8_t*[2 * batch * k_blocks]);
+  if (ffi::Error e = block_pointers(blocks, 2 * batch, batch * k_blocks, hd, &keys, kwhat,
+                                    ptrs.get());
+      e.failure())
+    return e;
+  if (ffi::Error e = block_pointers(blocks, 2 * batch + batch * k_blocks, batch * k_blocks, hd,
+                                    &values, vwhat, ptrs.get() + batch * k_blocks);
+      e.failure())
+    return e;
+  const int64_t n_kv = keys.n_kv, block = keys.block;
+  const int64_t q_dim = att->dimensions()[1], n_heads = q_dim / hd;
+  if (values.n_kv != n_kv || values.block != block || n_heads * hd != q_dim ||
+      (n_heads + 2 * n_kv) * hd != width || n_heads % n_kv != 0)
     return ffi::Error::InvalidArgument(
         "jllama rope_attend_batch: qkv, att, inv_freq and the blocks' shapes do not agree");
-  std::unique_ptr<const float*[]> ptrs(new const float*[2 * batch * k_blocks]);
-  for (int64_t i = 0; i < 2 * batch * k_blocks; ++i) {
-    auto b = blocks.get<F32Heads>(2 * batch + i);
-    if (b.has_error()) return b.error();
-    if (!same(b->dimensions(), cd))
-      return ffi::Error::InvalidArgument("jllama rope_attend_batch: blocks of one shape");
-    ptrs[i] = b->typed_data();
-  }
-  const size_t bytes = sizeof(float) * n_kv * block * hd;
   std::unique_ptr<float[]> q(new float[std::max<int64_t>(1, live) * q_dim]);
-  BatchAttention work{{}, n_heads, 1};
-  work.seqs.reserve(live);
+  std::vector<Attention> seqs;
+  seqs.reserve(live);
   for (int64_t b = 0; b < live; ++b) {
     const int64_t p = pos.typed_data()[b];
     if (p < 0 || p >= k_blocks * block)
       return ffi::Error::InvalidArgument("jllama rope_attend_batch: pos outside the blocks given");
-    float* cur[2];
+    uint8_t* cur[2];
     for (int kv = 0; kv < 2; ++kv) {
-      auto in = blocks.get<F32Heads>(kv * batch + b);
-      auto out = current.get<F32Heads>(kv * batch + b);
+      auto in = blocks.get<ffi::AnyBuffer>(kv * batch + b);
+      auto out = current.get<ffi::AnyBuffer>(kv * batch + b);
       if (in.has_error()) return in.error();
       if (out.has_error()) return out.error();
-      if (!same(in->dimensions(), cd) || !same((*out)->dimensions(), cd))
-        return ffi::Error::InvalidArgument("jllama rope_attend_batch: blocks of one shape");
-      cur[kv] = (*out)->typed_data();
-      if (cur[kv] != in->typed_data()) std::memcpy(cur[kv], in->typed_data(), bytes);
+      if (ffi::Error e = check_block(*in, hd, kv ? &values : &keys, kv ? vwhat : kwhat);
+          e.failure())
+        return e;
+      if ((*out)->element_type() != in->element_type() ||
+          !same((*out)->dimensions(), in->dimensions()))
+        return ffi::Error::InvalidArgument(
+            "jllama rope_attend_batch: the current blocks' results must match them");
+      cur[kv] = static_cast<uint8_t*>((*out)->untyped_data());
+      if (cur[kv] != in->untyped_data()) std::memcpy(cur[kv], in->untyped_data(), in->size_bytes());
     }
     rope_write_one(qkv.typed_data() + b * width, p, inv_freq.typed_data(), n_heads, n_kv, hd,
-                   block, q.get() + b * q_dim, cur[0], cur[1]);
+                   block, q.get() + b * q_dim, cur[0], keys.type, cur[1], values.type);
     const int64_t c = p / block;
-    work.seqs.push_back(Attention{q.get() + b * q_dim, att->typed_data() + b * q_dim,
-                                  Cache{ptrs.get() + b * k_blocks, cur[0], c, block},
-                                  Cache{ptrs.get() + (batch + b) * k_blocks, cur[1], c, block},
-                                  n_kv, n_heads / n_kv, hd, p});
-    work.longest = std::max(work.longest, p + 1);
+    seqs.push_back(Attention{q.get() + b * q_dim, att->typed_data() + b * q_dim,
+                             Cache{ptrs.get() + b * k_blocks, cur[0], c, block,
+                                   row_bytes(keys.type, hd), keys.type},
+                             Cache{ptrs.get() + (batch + b) * k_blocks, cur[1], c, block,
+                                   row_bytes(values.type, hd), values.type},
+                             n_kv, n_heads / n_kv, hd, p});
   }
   std::memset(att->typed_data() + live * q_dim, 0, sizeof(float) * (batch - live) * q_dim);
-  if (live > 0)
-    run(pool.num_threads(),
-        Product{attention_batch_units, &work, nullptr, nullptr, nullptr, 2 * work.longest * hd},
-        live * n_heads);
-  return ffi::Error::Success();
+  return attend(pool.num_threads(), seqs.data(), live);
 }
 
 }  // namespace

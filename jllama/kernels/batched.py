@@ -93,9 +93,11 @@ def rope_attend_batch(
       pos: int32[B], each sequence's position.
       count: int32 scalar: sequences from count on are padding (not computed, not written).
       inv_freq: f32[head_dim // 2].
-      key_current, value_current: B blocks each, f32[n_kv_heads, block_length, head_dim]:
-        block pos[b] // block_length of sequence b's layer cache, updated in place (aliased to
-        the results: donate them). Distinct buffers.
+      key_current, value_current: B blocks each, block pos[b] // block_length of sequence b's
+        layer cache, updated in place (aliased to the results: donate them; distinct buffers).
+        Keys of one KV cache type and values of one, as `jllama.kernels.rope_write` takes
+        them (f32/f16/bf16[n_kv_heads, block_length, head_dim], q8_0 uint8[n_kv_heads,
+        block_length, head_dim // 32 * 34]).
       key_blocks, value_blocks: B * K blocks each, sequence b's blocks 0 .. K - 1 at b * K ..;
         the slot of its current block, and blocks past it, are not read (pass any block).
 
@@ -103,11 +105,13 @@ def rope_attend_batch(
       (att f32[B, n_heads * head_dim], key_current, value_current written).
     """
     batch = qkv.shape[0]
-    n_kv, _, head_dim = key_current[0].shape
+    n_kv = key_current[0].shape[0]
+    head_dim = 2 * inv_freq.shape[0]
     n_heads = qkv.shape[1] // head_dim - 2 * n_kv
-    block = jax.ShapeDtypeStruct(key_current[0].shape, jnp.float32)
+    key = jax.ShapeDtypeStruct(key_current[0].shape, key_current[0].dtype)
+    value = jax.ShapeDtypeStruct(value_current[0].shape, value_current[0].dtype)
     out = (jax.ShapeDtypeStruct((batch, n_heads * head_dim), jnp.float32),
-           *([block] * (2 * batch)))
+           *([key] * batch), *([value] * batch))
     aliases = {4 + i: 1 + i for i in range(2 * batch)}
     att, *written = jax.ffi.ffi_call(ROPE_ATTEND_BATCH, out, input_output_aliases=aliases)(
         qkv.astype(jnp.float32), jnp.asarray(pos, jnp.int32), jnp.asarray(count, jnp.int32),

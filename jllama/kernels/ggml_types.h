@@ -91,11 +91,11 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// float32 -> float16 -> float32, rounding to nearest even (F16C's `_cvtss_sh(x, 0)`, which
-// ggml's GGML_CPU_FP32_TO_FP16 is on x86).
-inline float round_fp16(float f) {
+// float32 -> float16's bits, rounding to nearest even (F16C's `_cvtss_sh(x, 0)`, which ggml's
+// GGML_CPU_FP32_TO_FP16 is on x86); a NaN stays a (quiet) NaN.
+inline uint16_t fp16_bits(float f) {
 #if defined(__F16C__)
-  return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
 #else
   uint32_t x;
   std::memcpy(&x, &f, sizeof x);
@@ -118,9 +118,12 @@ inline float round_fp16(float f) {
     if (rest > 0x1000u || (rest == 0x1000u && (v & 1))) ++v;  // carries into the exponent
     h = static_cast<uint16_t>((sign >> 16) | v);
   }
-  return fp16(h);
+  return h;
 #endif
 }
+
+// float32 -> float16 -> float32, rounding to nearest even (`fp16_bits`).
+inline float round_fp16(float f) { return fp16(fp16_bits(f)); }
 
 // Q4_K's and Q5_K's 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
 inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {

@@ -6,6 +6,7 @@
 #include "matvec.cc"
 #include "ggml_products.cc"
 #include "attention.cc"
+#include "attention_decode.cc"
 #include "sampling.cc"
 #include "batch.cc"
 #include "threads.cc"
