@@ -7,6 +7,12 @@ permutations (NumPy fancy indexing with `tile_sources`; Q5_0's and Q5_1's high b
 transposed within each row's 4 bytes); a repacked matrix is a `GGMLMatrix`
 whose `type_id` is the ggml type plus `X8`, whose data keeps the shape [rows, row_bytes] (the
 rows of a group hold the group's tiles end to end).
+
+This is the reference: a model's weights are repacked at load by the kernel library
+(`jllama/kernels/repack.cc`, through `jllama.packing.place_weights`: Llama-3.2-1B's 0.8 GB in
+0.3-1.7 s where this took 11 s, with no intermediate arrays); the tests check that the two give
+the same bytes for every type.
+`unpack` serves `GGMLMatrix.stored_data` (dequantizing, converting).
 """
 
 from __future__ import annotations

@@ -23,13 +23,7 @@ from jllama.fetch import KNOWN_MODELS, cached_path, resolve_checkpoint
 from jllama.formats.gguf import is_gguf, read_gguf
 from jllama.formats.llama2c import read_checkpoint
 from jllama.tokenizers.llama2c import Tokenizer, read_tokenizer
-from jllama.weights import (
-    DTYPES,
-    TransformerWeights,
-    cast_weights,
-    weights_dtype,
-    weights_nbytes,
-)
+from jllama.weights import DTYPES, TransformerWeights, cast_weights
 
 
 def _data_file(name: str) -> Path:
@@ -245,27 +239,23 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
     )
 
 
-def required_memory(model: Model, devices: int = 1, cache_types=("f32", "f32")) -> str:
-    """One line saying what running `model` needs, before the KV cache is allocated (as
-    Distributed Llama's "RequiredMemory"): the weights in their dtype plus the KV cache for
-    seq_len tokens in its (key, value) `cache_types` (`jllama.cache_types`, named in the line),
-    in MB (10^6 bytes).
+def required_memory(model: Model, devices: int = 1, cache_types=("f32", "f32"), *,
+                    slots: int = 1) -> str:
+    """One line saying what running `model` needs, before the weights are placed and the KV
+    cache allocated (as Distributed Llama's "RequiredMemory"): `jllama.memory.memory_plan`'s
+    weights in their dtype, the KV cache of `slots` sequences of seq_len tokens in its (key,
+    value) `cache_types` (`jllama.cache_types`, named in the line), and the process itself
+    (measured, plus its programs and activations), in MB (10^6 bytes).
 
     With devices > 1 (tensor parallelism, `jllama.sharding`; the count must pass
     `check_divisible`) the line goes on with what each device holds: its slice of the
     weights and of the KV cache (`jllama.sharding.device_memory`), and the embedding table
     the host keeps."""
-    from jllama import cache_types as kv
+    from jllama.memory import memory_plan
 
     config = model.config
-    weights = weights_nbytes(model.weights)
-    cache = kv.kv_cache_nbytes(config.n_layers, config.n_kv_heads, config.head_dim,
-                               config.seq_len, *cache_types)
-    line = (
-        f"required memory: {(weights + cache) / 1e6:.1f} MB = weights {weights / 1e6:.1f} MB "
-        f"({weights_dtype(model.weights)}) + KV cache {cache / 1e6:.1f} MB "
-        f"({config.seq_len} tokens, {kv.describe(*cache_types)})"
-    )
+    line = memory_plan(model, slots=slots, cache_type=cache_types[0],
+                       value_type=cache_types[1]).line()
     if devices > 1:
         from jllama.sharding import device_memory
 

@@ -7,18 +7,29 @@ in one allocation. On this project's 2-core AMD machine that read 2-6% more byte
 the machine's fast minutes than the same matrices as separate XLA allocations (stories110M
 f32 decode, alternated in one process, the same tokens; bench/NOTES.md), and the same in its
 slow ones.
+
+Two ways in: `pack_in_decode_order` copies matrices already in the graph layout (NumPy; what
+XLA's products and tensor parallelism take), and `place_weights` goes straight from the file
+layout (`TransformerWeights`, views of the memory-mapped file) to the kernels' layout: each
+matrix that needs another layout (GGML blocks repacked eight rows at a time, `ggml_repack`) or
+that is made of several tensors (wq, wk, wv end to end as wqkv) is written once into its place
+by the kernel library on every core (`jllama.kernels.repack`), and the file's pages it was read
+from are dropped from the process; a matrix the kernels read as stored stays a view of the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import mmap
+import os
+from collections.abc import Callable
 
 import numpy as np
 
-from jllama.ggml_matrix import GGMLMatrix, RowStack
-from jllama.quant import Int8Matrix
-from jllama.weights import LayerWeights
+from jllama.ggml_matrix import MAX_PARTS, GGMLMatrix, RowStack, from_float, is_ggml
+from jllama.ggml_repack import X8, can_repack
+from jllama.quant import Int8Matrix, concatenate_rows
+from jllama.weights import LayerWeights, TransformerWeights
 
 ALIGN = 64
 """Bytes: each matrix starts on a cache line, and XLA CPU aliases only 64-byte aligned arrays."""
@@ -121,3 +132,200 @@ def pack_in_decode_order(
         for layer in layers
     )
     return packed, _rebuilt(*next(it))
+
+
+READS = ("map", "pread")
+"""How `place_weights` reads what it copies out of a mapped file: through the mapping (its
+pages dropped once read), or with pread into the destination (the mapping never touched)."""
+
+
+def mapped_read_only(a: np.ndarray) -> bool:
+    """Whether `a` is a view of a read-only mapping of a file (`np.memmap` mode "r", or an
+    `mmap.mmap` opened with ACCESS_READ, as the checkpoint readers map files): dropping its
+    pages from the process loses nothing, they are read again from the file when touched."""
+    b = a
+    while b is not None:
+        if isinstance(b, np.memmap):
+            return b.mode == "r"
+        if isinstance(b, memoryview):
+            return b.readonly and isinstance(b.obj, mmap.mmap)
+        b = getattr(b, "base", None)
+    return False
+
+
+def _file_position(a: np.ndarray) -> tuple[str, int] | None:
+    """(path, byte offset) of `a`'s first byte in the file an `np.memmap` maps, or None."""
+    b = a
+    while b is not None:
+        if isinstance(b, np.memmap):
+            if b.filename is None:
+                return None
+            return os.fspath(b.filename), a.ctypes.data - b.ctypes.data + b.offset
+        b = getattr(b, "base", None)
+    return None
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Where each array goes in the buffer: `put` gives an array its bytes' offset, the
+    sources it is written from (end to end) and how (`repack.COPY` or a ggml type to repack
+    into its x8 layout), or keeps a source as it is (a 64-byte aligned view of a mapped file
+    that needs no other layout: device_put aliases it)."""
+
+    total: int = 0
+    pieces: list = dataclasses.field(default_factory=list)  # (source, offset, type)
+
+    def put(self, sources: list[np.ndarray], type_id: int) -> Callable[[np.ndarray], np.ndarray]:
+        """A function of the buffer giving the array's bytes (u8[nbytes]), or the kept source
+        (any dtype and shape)."""
+        from jllama.kernels.repack import COPY
+
+        sources = [np.ascontiguousarray(a) for a in sources]
+        one = sources[0]
+        if (len(sources) == 1 and type_id == COPY and one.ctypes.data % ALIGN == 0
+                and mapped_read_only(one)):
+            return lambda buffer: one
+        start, nbytes = self.total, sum(a.nbytes for a in sources)
+        for a in sources:
+            self.pieces.append((a, self.total, type_id))
+            self.total += a.nbytes
+        self.total = start + _padded(nbytes)
+        return lambda buffer: buffer[start : start + nbytes]
+
+    def run(self, buffer: np.ndarray, threads: int, read: str) -> None:
+        from jllama.kernels.repack import PIECE, place
+
+        table = np.zeros(len(self.pieces), PIECE)
+        files: dict[str, int] = {}
+        try:
+            for row, (a, offset, type_id) in zip(table, self.pieces, strict=True):
+                rows = a.reshape(-1, a.shape[-1])
+                row["src"], row["dst"] = a.ctypes.data, buffer.ctypes.data + offset
+                row["rows"], row["row_bytes"] = rows.shape[0], rows.shape[1] * a.itemsize
+                row["type"], row["fd"] = type_id, -1
+                row["release"] = mapped_read_only(a)
+                where = _file_position(a) if read == "pread" and row["release"] else None
+                if where is not None:
+                    if where[0] not in files:
+                        files[where[0]] = os.open(where[0], os.O_RDONLY)
+                    row["fd"], row["file_offset"] = files[where[0]], where[1]
+            place(table, threads)
+        finally:
+            for fd in files.values():
+                os.close(fd)
+
+
+def _planned(plan: _Plan, matrices: list, x8: bool) -> Callable[[np.ndarray], object]:
+    """Plan one decode-step matrix made of `matrices` stacked along their rows (one, or wq,
+    wk, wv), as `jllama.weights.to_graph_weights` stacks them and `jllama.ggml_matrix.repacked`
+    lays them out; returns the function of the buffer that builds it."""
+    from jllama.kernels.repack import COPY
+
+    if any(is_ggml(m) for m in matrices):
+        ggml = [m if is_ggml(m) else from_float(m) for m in matrices]
+        if len({m.cols for m in ggml}) != 1:
+            raise ValueError(f"rows of different lengths: {[m.cols for m in ggml]}")
+        if len({m.type_id for m in ggml}) == 1:
+            groups = [ggml]  # one matrix: the blocks end to end (`stack_rows`)
+        elif len(ggml) > MAX_PARTS:
+            raise ValueError(f"at most {MAX_PARTS} parts in a RowStack, got {len(ggml)}")
+        else:
+            groups = [[m] for m in ggml]
+        repack = x8 and all(m.data.ndim == 2 and can_repack(m.type_id, m.shape[0]) for m in ggml)
+        cols = ggml[0].cols
+        parts = []
+        for group in groups:
+            type_id = group[0].type_id
+            rows = sum(m.shape[0] for m in group)
+            get = plan.put([m.data for m in group], type_id if repack else COPY)
+            parts.append((get, type_id + X8 if repack else type_id, rows))
+
+        def build(buffer):
+            out = [GGMLMatrix(get(buffer).reshape(rows, -1), t, cols) for get, t, rows in parts]
+            return out[0] if len(out) == 1 else RowStack(tuple(out))
+
+        return build
+    if all(isinstance(m, Int8Matrix) for m in matrices):
+        m = concatenate_rows(matrices) if len(matrices) > 1 else matrices[0]
+        get = plan.put([m.q], COPY)
+        return lambda buffer: Int8Matrix(q=get(buffer).view(np.int8).reshape(m.q.shape),
+                                         scale=m.scale)
+    arrays = [np.asarray(m) for m in matrices]
+    if len({a.dtype for a in arrays}) > 1:
+        arrays = [np.concatenate(arrays)]  # as to_graph_weights would
+    shape = (sum(a.shape[0] for a in arrays), *arrays[0].shape[1:])
+    get = plan.put(arrays, COPY)
+    return lambda buffer: get(buffer).view(arrays[0].dtype).reshape(shape)
+
+
+def place_weights(
+    weights: TransformerWeights, *, x8: bool, threads: int, huge_pages: bool = True,
+    read: str = "map",
+) -> tuple[tuple[LayerWeights, ...], object]:
+    """`jllama.weights.to_graph_weights` and `pack_in_decode_order` in one pass, for the
+    kernels: the decode step's matrices (per layer wqkv, wo, w1, w3, w2, then wcls) end to end
+    in one new host buffer in reading order, each written once from `weights` (views of a mapped
+    file, or any arrays) by the kernel library on `threads` threads.
+
+    Args:
+      weights: file-layout weights: float32 / bfloat16 arrays, `Int8Matrix`, or GGML blocks
+        (`GGMLMatrix`, `LayerStack`).
+      x8: lay GGML blocks out eight rows at a time where the type has such a layout
+        (`jllama.ggml_repack`; a wqkv of several types only when all of them have), as the
+        kernels' AVX2 / AVX-512 products read them.
+      threads: threads to copy on.
+      huge_pages: see `host_buffer`.
+      read: one of `READS`, for what is read from a read-only mapped file.
+
+    Returns:
+      (layers, wcls): the graph layout's `LayerWeights` (the norm gains are `weights`' own
+      views) and the classifier. A matrix that is one tensor, needs no other layout and is a
+      64-byte aligned view of a read-only mapped file is kept as that view (not copied:
+      `jax.device_put` aliases it); every other is a view of the buffer. The pages of a mapped
+      file that were copied from are dropped from the process (they stay in the page cache).
+
+    Raises:
+      ValueError: matrices of a layer that do not stack (different row lengths, too many
+        types), or an unknown `read`.
+      repack.PlaceError: a read of the file failed.
+    """
+    if read not in READS:
+        raise ValueError(f"read={read!r}; known: {', '.join(READS)}")
+    n_layers = weights.rms_att_weight.shape[0]
+    plan = _Plan()
+    builders = []
+    for l in range(n_layers):
+        for name in DECODE_ORDER:
+            matrices = ([weights.wq[l], weights.wk[l], weights.wv[l]] if name == "wqkv"
+                        else [getattr(weights, name)[l]])
+            builders.append(_planned(plan, matrices, x8))
+    builders.append(_planned(plan, [weights.wcls], x8))
+    buffer = host_buffer(max(plan.total, ALIGN), huge_pages=huge_pages)
+    plan.run(buffer, threads, read)
+    built = iter([build(buffer) for build in builders])
+    layers = tuple(
+        LayerWeights(rms_att_weight=weights.rms_att_weight[l], rms_ffn_weight=weights.rms_ffn_weight[l],
+                     **{name: next(built) for name in DECODE_ORDER})
+        for l in range(n_layers)
+    )
+    return layers, next(built)
+
+
+def aliasable(matrix, threads: int = 1):
+    """`matrix` (an array, `Int8Matrix` or GGML blocks) whose arrays `jax.device_put` can alias
+    on XLA CPU: itself when every one starts on a 64-byte boundary, else a copy of it in a new
+    `host_buffer` made by the kernel library on `threads` threads (a read-only mapped file's
+    pages dropped once read). Why: device_put copies an unaligned array itself, on one thread,
+    touching every page of the file (a Llama-3.1-8B GGUF's 295 MB embedding table, whose file
+    aligns tensors to 32 bytes, for the device loop: 580 MB more RSS and a second's copy)."""
+    arrays = [np.asarray(a) for a in _streamed(matrix)]
+    if all(a.ctypes.data % ALIGN == 0 and a.flags.c_contiguous for a in arrays):
+        return matrix
+    from jllama.kernels.repack import COPY
+
+    plan = _Plan()
+    gets = [plan.put([a], COPY) for a in arrays]
+    buffer = host_buffer(plan.total)
+    plan.run(buffer, threads, "map")
+    views = [get(buffer).view(a.dtype).reshape(a.shape) for get, a in zip(gets, arrays, strict=True)]
+    return _rebuilt(matrix, views)

@@ -69,6 +69,19 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux `VmRSS`: anonymous and file-backed pages),
+    bytes; 0 where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def check_kv_cache_fits(config: ModelConfig, key_type="f32", value_type="f32") -> None:
     """Refuse, before allocating, a KV cache larger than the host memory available.
 

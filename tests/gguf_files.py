@@ -45,19 +45,23 @@ def write_gguf(
     raw_tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
     vocab: list[str] | None = None,
     chat_template: str | None = None,
+    alignment: int | None = None,
 ) -> Path:
     """Write `weights` as a llama-architecture GGUF with a byte-level (gpt2) vocabulary.
 
     `types` maps a tensor name (e.g. "blk.0.attn_q.weight") or "*" to the GGML type to store
     it as (default F32; norms always F32). `drop_keys` / `drop_tensors` leave metadata keys or
     tensors out; `reshape` stores a tensor with another shape; `raw_tensors` stores bytes as
-    given, with a type; `extra_tensors` adds F32 tensors.
+    given, with a type; `extra_tensors` adds F32 tensors; `alignment` sets
+    general.alignment (default: gguf-py's, 32).
     """
     c = config
     types = types or {}
     vocab = vocab or (byte_tokens() + ["ĠĠ", "<|im_start|>", "<|im_end|>"])[: c.vocab_size]
     assert len(vocab) == c.vocab_size
     w = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
     keys = {
         "llama.context_length": ("uint32", c.seq_len),
         "llama.embedding_length": ("uint32", c.dim),

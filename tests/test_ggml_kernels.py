@@ -11,7 +11,6 @@ bound, not a fit).
 from __future__ import annotations
 
 import ctypes
-import platform
 
 import gguf.quants
 import jax
@@ -24,7 +23,6 @@ from jllama import ggml_repack, kernels
 from jllama.formats import ggml_quants as gq
 from jllama.ggml_matrix import (GGMLMatrix, LayerStack, RowStack, from_float, q4_0_as_q8_0,
                                 quantize, repacked, stack_rows)
-from jllama.kernels import library
 
 INTEGER_TYPES = (gq.Q8_0, gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q2_K, gq.Q3_K, gq.Q4_K,
                  gq.Q5_K, gq.Q6_K)
@@ -286,19 +284,13 @@ def test_bad_parts_are_refused_by_the_kernel():
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
-def test_the_avx2_and_generic_builds_match_gguf(march, tmp_path, monkeypatch):
+def test_the_avx2_and_generic_builds_match_gguf(march):
     """What an AVX2-only CPU runs (x86-64-v3: the x8 layouts with maddubs instead of VNNI) and
-    the plain C++ build, registered under their own names and checked as the native one."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("x86-64 -march levels")
-    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
-    lib = ctypes.CDLL(str(library.build(march=march)))
-    suffix = march.replace("-", "_")
-    names = {}
-    for symbol in (kernels.MATVEC_GGML, kernels.DEQUANTIZE_GGML):
-        names[symbol] = f"{symbol}_{suffix}"
-        jax.ffi.register_ffi_target(names[symbol], jax.ffi.pycapsule(getattr(lib, symbol)),
-                                    platform="cpu")
+    the plain C++ build, registered under their own names and checked as the native one (the
+    builds test_kernels.py makes once per run: a handler's name can be registered once)."""
+    from test_kernels import march_targets
+
+    names, _ = march_targets(march)
     rng = np.random.default_rng(13)
     attrs = {"prologue": np.int32(0), "eps": np.float32(0), "residual": np.int32(0)}
     for type_id in INTEGER_TYPES:

@@ -205,3 +205,43 @@ def test_tensor_sizes_do_not_wrap(tmp_path):
     path.write_bytes(data + bytes(-len(data) % 32 + 64))
     with pytest.raises(ValueError, match="runs past the end of the file"):
         read_header(path)
+
+
+def _strings_file(path, arrays: dict[str, list[str]]):
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, values in arrays.items():
+        w.add_key_value(key, values, T.ARRAY, T.STRING)
+    w.add_key_value("after", 7, T.UINT32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_long_string_arrays_read_at_once_or_one_by_one_are_ggufreaders(tmp_path):
+    """Arrays of 256 strings and more are read with NumPy where they can be (no string holding
+    a NUL or of 64 KiB or more), else one by one: each case here reads as GGUFReader reads
+    it."""
+    rng = np.random.default_rng(4)
+    alphabet = list("abcĠ ✓\n") + ["\U0001F600", "é"]
+    plain = ["".join(rng.choice(alphabet, rng.integers(1, 12))) for _ in range(700)]
+    plain[5] = "x" * 256  # a length whose low byte is 0
+    plain[6] = "y" * 300
+    cases = {"plain": plain, "empty": plain[:300] + [""] + plain[300:],
+             "nul": plain[:10] + ["a\x00b"] + plain[10:300],
+             "long": plain[:300] + ["z" * 70000], "ends.long": plain[:299] + ["q" * 5000]}
+    header = assert_same(_strings_file(tmp_path / "strings.gguf", cases))
+    assert header.metadata["after"] == 7 and header.metadata["plain"] == plain
+
+
+def test_long_string_arrays_that_are_not_utf8_or_cut_short_are_refused(tmp_path):
+    good = _strings_file(tmp_path / "good.gguf", {"s": ["ab"] * 300}).read_bytes()
+    at = good.index(struct.pack("<Q", 2) + b"ab")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(good[: at + 8] + b"\xff\xfe" + good[at + 10 :])
+    with pytest.raises(ValueError, match="element 0, is not UTF-8"):
+        read_header(bad)
+    bad.write_bytes(good[: at + 2000])
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        read_header(bad)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import time
 
+import numpy as np
+
 from jllama import graphs
 from jllama.backends.jax_loop import DeviceLoopSteps, all_allowed
 from jllama.backends.jax_prefill import PrefillSteps
@@ -43,11 +45,13 @@ class CompilePlan(PrefillSteps, DeviceLoopSteps):
         began = time.perf_counter()
         blocks = functools.partial(graphs.attention_blocks, config.seq_len)
         end = min(start + prompt_len, config.seq_len)
-        for pos, size in self._prefill_plan(start, (end - start) * chunked):
+        for pos, size, _ in self._prefill_plan(start, (end - start) * chunked):
             key = ("prefill", size, blocks(pos + max(size, 1) - 1))
             if size and key not in self._compiled:
                 self._compiled.add(key)
-                self._prefill_chunk([0] * size, pos)
+                x = self._prefill_chunk([0] * size, pos, layers=self.warm_layers())
+                self._programs.classifier_last(config, x, self.rms_final_weight, self.wcls,
+                                               self._put(np.int32(size - 1)))
         first, final = end if chunked else start, min(last, config.seq_len - 1)
         # Where a program can first be needed: the first position, the first after the prompt
         # and each block's first (where the window can grow); not every position.
@@ -56,7 +60,7 @@ class CompilePlan(PrefillSteps, DeviceLoopSteps):
         for pos in sorted({p for p in (first, end, *starts) if first <= p <= final}):
             if ("forward", blocks(pos)) not in self._compiled:
                 self._compiled.add(("forward", blocks(pos)))
-                self.forward(0, pos)
+                self.warm_forward(pos)
             loop_key = ("loop", kind, masked, blocks(pos))
             if kind is not None and pos >= end and loop_key not in self._compiled:
                 self._compiled.add(loop_key)

@@ -19,7 +19,6 @@ decode step, `forward`), `jax_prefill` (batched prefill), `jax_loop` (the device
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -37,9 +36,10 @@ from jllama.backends.jax_prefill import PREFILL_CHUNKS
 from jllama.config import ModelConfig
 from jllama.graphs.cache_rows import KERNEL_CACHE_DTYPES
 from jllama.errors import BackendError
-from jllama.ggml_matrix import for_xla, is_ggml, repacked
-from jllama.packing import pack_in_decode_order
+from jllama.ggml_matrix import for_xla, is_ggml
+from jllama.packing import pack_in_decode_order, place_weights
 from jllama.rope import rope_frequencies
+from jllama.runtime import available_cpus
 from jllama.sharding import TensorParallel
 from jllama.weights import (
     TransformerWeights,
@@ -183,51 +183,24 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
             self._split_over_devices(config)
         self.config = config
         self.matvec = self._resolve_matvec(self.matvec)
-        host = to_graph_weights(weights)
-        self._shared_embedding = host.token_embedding_table is host.wcls
-        if self.matvec != "kernel":
-            # XLA's products cannot read GGML blocks: Q8_0 / Q4_0 become grouped int8 (exact),
-            # other types float32 (`jllama.ggml_matrix.for_xla`).
-            leaves = jax.tree_util.tree_leaves(host, is_leaf=is_ggml)
-            converted = {id(m): for_xla(m) for m in leaves if is_ggml(m)}  # a tied table once
-            host = jax.tree_util.tree_map(
-                lambda m: converted.get(id(m), m), host, is_leaf=is_ggml
-            )
-            if converted:
-                leaves = {id(a): a for a in jax.tree_util.tree_leaves(host)}
-                nbytes = sum(a.nbytes for a in leaves.values())
-                self.weights_note = (
-                    "XLA's products take GGML blocks as grouped int8 (Q8_0, Q4_0) or dequantized "
-                    f"float32 (other types), with float32 activations: weights {nbytes / 1e6:.1f} MB"
-                )
-        elif kernels.vector_width() >= 8:
-            # GGML blocks eight rows at a time where the kernels have that path (AVX2 or
-            # AVX-512): the same bytes, 2-3x faster products (`jllama.ggml_repack`). The host's
-            # embedding table stays as stored (it is only read a row at a time).
-            table = host.token_embedding_table
-            host = dataclasses.replace(
-                jax.tree_util.tree_map(repacked, host, is_leaf=is_ggml),
-                token_embedding_table=table,
-            )
+        self._shared_embedding = weights.token_embedding_table is weights.wcls
         # The embedding table stays on the host: one row per token is all a step needs.
-        self.token_embedding_table = host.token_embedding_table
-        self._host_wcls = host.wcls
+        self.token_embedding_table = weights.token_embedding_table
         self._loop_embedding = None
         tp = self.tensor_parallel
-        if tp is None:
-            layers, wcls = host.layers, host.wcls
-            if self.device.platform == "cpu":
-                # One buffer in reading order, which device_put aliases rather than copies
-                # (`jllama.packing`): the matrices end to end stream faster.
-                layers, wcls = pack_in_decode_order(layers, wcls)
+        if self.matvec == "kernel":  # one CPU device
+            # Straight from the file into one buffer in reading order, which device_put aliases
+            # rather than copies (`jllama.packing.place_weights`); GGML blocks eight rows at a
+            # time where the kernels have that path (AVX2 or AVX-512): the same bytes, 2-3x
+            # faster products (`jllama.ggml_repack`).
+            layers, wcls = place_weights(weights, x8=kernels.vector_width() >= 8,
+                                         threads=available_cpus())
             self.layers, self.rms_final_weight, self.wcls = jax.device_put(
-                (layers, host.rms_final_weight, wcls), self.device
+                (layers, weights.rms_final_weight, wcls), self.device
             )
+            self._host_wcls = wcls
         else:
-            # Layer by layer: the regrouped wqkv is a host copy, freed once placed.
-            self.layers = tuple(tp.place_layer(config, layer) for layer in host.layers)
-            self.rms_final_weight = tp.put(host.rms_final_weight)
-            self.wcls = tp.put(host.wcls, tp.classifier_spec(host.wcls))
+            self._place_converted(weights)
         self._inv_freq = rope_frequencies(config)  # the host's copy, for prefill's angles
         self.inv_freq = self._put(self._inv_freq)
         # Per layer, a list of cache blocks (`jllama.graphs.attention`): whole arrays, so no
@@ -247,11 +220,47 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         start = time.perf_counter()
         # Warm-up: traces and compiles all four programs. Harmless to the sequence that follows:
         # position 0 is rewritten by the first real step and later positions are masked.
-        self.forward(0, 0)
+        self._warm_layers = None
+        self.warm_forward(0)
         self.compile_seconds = time.perf_counter() - start
         # What compile_for need not run again: ("forward", k), ("loop", kind, k) and
         # ("prefill", size, k) for k cache blocks read.
         self._compiled = {("forward", graphs.attention_blocks(config.seq_len, 0))}
+
+    def _place_converted(self, weights: TransformerWeights) -> None:
+        """The weights for XLA's products (on any platform, or split over devices): the graph
+        layout on the host, GGML blocks converted, then placed (on a CPU, one buffer in reading
+        order)."""
+        host = to_graph_weights(weights)
+        # XLA's products cannot read GGML blocks: Q8_0 / Q4_0 become grouped int8 (exact),
+        # other types float32 (`jllama.ggml_matrix.for_xla`).
+        leaves = jax.tree_util.tree_leaves(host, is_leaf=is_ggml)
+        converted = {id(m): for_xla(m) for m in leaves if is_ggml(m)}  # a tied table once
+        host = jax.tree_util.tree_map(lambda m: converted.get(id(m), m), host, is_leaf=is_ggml)
+        if converted:
+            leaves = {id(a): a for a in jax.tree_util.tree_leaves(host)}
+            nbytes = sum(a.nbytes for a in leaves.values())
+            self.weights_note = (
+                "XLA's products take GGML blocks as grouped int8 (Q8_0, Q4_0) or dequantized "
+                f"float32 (other types), with float32 activations: weights {nbytes / 1e6:.1f} MB"
+            )
+        self.token_embedding_table = host.token_embedding_table
+        self._host_wcls = host.wcls
+        tp = self.tensor_parallel
+        if tp is None:
+            layers, wcls = host.layers, host.wcls
+            if self.device.platform == "cpu":
+                # One buffer in reading order, which device_put aliases rather than copies
+                # (`jllama.packing`): the matrices end to end stream faster.
+                layers, wcls = pack_in_decode_order(layers, wcls)
+            self.layers, self.rms_final_weight, self.wcls = jax.device_put(
+                (layers, host.rms_final_weight, wcls), self.device
+            )
+        else:
+            # Layer by layer: the regrouped wqkv is a host copy, freed once placed.
+            self.layers = tuple(tp.place_layer(self.config, layer) for layer in host.layers)
+            self.rms_final_weight = tp.put(host.rms_final_weight)
+            self.wcls = tp.put(host.wcls, tp.classifier_spec(host.wcls))
 
     def _resolve_matvec(self, requested: str) -> str:
         """"xla" or "kernel" for `requested`, building the kernels when they may be used."""

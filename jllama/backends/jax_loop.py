@@ -132,7 +132,13 @@ class DeviceLoopSteps(JaxState):
         if self._shared_embedding:
             return self.wcls
         if self.tensor_parallel is None:
-            return jax.device_put(self.token_embedding_table, self.device)
+            table = self.token_embedding_table
+            if self.matvec == "kernel":  # device_put aliases it, not copies (`packing`)
+                from jllama.packing import aliasable
+                from jllama.runtime import available_cpus
+
+                table = aliasable(table, available_cpus())
+            return jax.device_put(table, self.device)
         tp = self.tensor_parallel
         table = self.token_embedding_table
         return tp.put(table, tp.classifier_spec(table))

@@ -16,10 +16,19 @@ from jllama.rope import rope_cos_sin
 
 PREFILL_CHUNKS = (256, 64, 8)
 """Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into
-chunks of these sizes (none crossing a 256-position cache block) and the fewer-than-8 tokens
-left go through the decode programs. 256-token chunks: SmolLM2's 512-token prefill ran at 957
-tok/s against 730 with chunks of at most 64 (XLA's matrix-matrix products are more efficient
-on more rows; bench/NOTES.md)."""
+chunks of these sizes (none crossing a 256-position cache block). 256-token chunks: SmolLM2's
+512-token prefill ran at 957 tok/s against 730 with chunks of at most 64 (XLA's
+matrix-matrix products are more efficient on more rows; bench/NOTES.md). The 2 to 7 tokens
+left after them go as one chunk of 8 padded at its end (see `PAD_TOKEN`) where its 8
+positions fit in the block and the context; a single token, or a tail that does not fit, goes
+through the decode programs."""
+
+PAD_TOKEN = 0
+"""The token a padded chunk's rows after the prompt hold. Their keys and values land at
+positions after the prompt's, which nothing reads before the tokens of those positions write
+them again (attention at p reads positions <= p only), and their logits are not taken: one
+pass over the weights for up to 7 tokens where each would take one (an 8B model's ~0.4 s a
+pass)."""
 
 
 class PrefillSteps(DecodeStep):
@@ -46,19 +55,23 @@ class PrefillSteps(DecodeStep):
         check_token_pos(config, tokens[-1], start_pos + len(tokens) - 1)  # the last position
         for t in tokens:
             check_token_pos(config, t, start_pos)
-        logits, x = None, None
-        for pos, size in self._prefill_plan(start_pos, len(tokens)):
+        logits, x, last = None, None, 0
+        for pos, size, real in self._prefill_plan(start_pos, len(tokens)):
             if size:
-                x = self._prefill_chunk(tokens[pos - start_pos:pos - start_pos + size], pos)
-                logits = None
+                x = self._prefill_chunk(self._padded(tokens, pos - start_pos, size, real), pos)
+                logits, last = None, real - 1
             else:
                 logits = self.forward(tokens[pos - start_pos], pos)
                 x = None
         if logits is None:
-            logits = np.asarray(
-                self._programs.classifier_last(config, x, self.rms_final_weight, self.wcls)
-            )
+            logits = np.asarray(self._programs.classifier_last(
+                config, x, self.rms_final_weight, self.wcls, self._put(np.int32(last))))
         return logits
+
+    @staticmethod
+    def _padded(tokens: list[int], i: int, size: int, real: int) -> list[int]:
+        """tokens[i:i + real], then `PAD_TOKEN` up to `size`."""
+        return tokens[i:i + real] + [PAD_TOKEN] * (size - real)
 
     def prefill_logits(self, tokens, start_pos: int, first: int = 0) -> np.ndarray:
         """Feed `tokens` at positions start_pos, start_pos+1, ... as `prefill` does and return
@@ -82,34 +95,49 @@ class PrefillSteps(DecodeStep):
         for t in tokens:
             check_token_pos(config, t, start_pos)
         rows = []
-        for pos, size in self._prefill_plan(start_pos, len(tokens)):
+        for pos, size, real in self._prefill_plan(start_pos, len(tokens)):
             i = pos - start_pos  # index of the step's first token
             if not size:
                 logits = self.forward(tokens[i], pos)
                 if i >= first:
                     rows.append(logits[None])
                 continue
-            x = self._prefill_chunk(tokens[i:i + size], pos)
-            if i + size > first:
+            x = self._prefill_chunk(self._padded(tokens, i, size, real), pos)
+            if i + real > first:
                 logits = self._programs.classifier_rows(config, x, self.rms_final_weight,
                                                         self.wcls)
-                rows.append(np.asarray(logits)[max(first - i, 0):])
+                rows.append(np.asarray(logits)[max(first - i, 0):real])
         return np.concatenate(rows)
 
-    def _prefill_plan(self, start_pos: int, n: int) -> Iterator[tuple[int, int]]:
-        """(pos, size) of each step of a prefill of n tokens from start_pos: a chunk of
-        `size` tokens, or one token through `forward` when size is 0. A chunk never crosses a
-        cache block boundary (it writes into one block)."""
+    def _prefill_plan(self, start_pos: int, n: int) -> Iterator[tuple[int, int, int]]:
+        """(pos, size, real) of each step of a prefill of n tokens from start_pos: a chunk of
+        `size` tokens whose first `real` are the prompt's (the rest `PAD_TOKEN`), or one token
+        through `forward` when size is 0 (real 1). A chunk never crosses a cache block boundary
+        (it writes into one block) nor the context's end."""
         pos, end = start_pos, start_pos + n
+        smallest = PREFILL_CHUNKS[-1]
         while pos < end:
             room = min(end - pos, self.block_length - pos % self.block_length)
             size = next((s for s in PREFILL_CHUNKS if s <= room), 0)
-            yield pos, size
-            pos += size or 1
+            if size:
+                yield pos, size, size
+                pos += size
+                continue
+            left = min(end - pos, room)
+            fits = (pos % self.block_length + smallest <= self.block_length
+                    and pos + smallest <= self.config.seq_len)
+            if left >= 2 and fits:  # the tail as one padded chunk
+                yield pos, smallest, left
+                pos += left
+            else:
+                yield pos, 0, 1
+                pos += 1
 
-    def _prefill_chunk(self, chunk: list[int], pos: int) -> jax.Array:
-        """The chunk's tokens at positions pos .. pos+len-1 through every layer (their keys
-        and values written to the caches); returns the residual streams f32[len, dim]."""
+    def _prefill_chunk(self, chunk: list[int], pos: int, layers=None) -> jax.Array:
+        """The chunk's tokens at positions pos .. pos+len-1 through every layer (or the
+        layers of index `layers` only: a warm-up that compiles the programs, `warm_layers`),
+        their keys and values written to the caches; returns the residual streams
+        f32[len, dim]."""
         config = self.config
         rows = embedding_rows(self.token_embedding_table, np.asarray(chunk))
         x = self._put(rows)
@@ -118,8 +146,8 @@ class PrefillSteps(DecodeStep):
         k = graphs.attention_blocks(config.seq_len, pos + len(chunk) - 1)
         b = pos // self.block_length
         programs = self._programs
-        for l, layer in enumerate(self.layers):
-            keys, values = self.key_cache[l], self.value_cache[l]
+        for l in range(len(self.layers)) if layers is None else layers:
+            layer, keys, values = self.layers[l], self.key_cache[l], self.value_cache[l]
             q, keys[b], values[b] = programs.qkv_chunk(
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
                 cos, sin, shards=self._shards,

@@ -7,6 +7,7 @@ arrays, then `classifier`; `fused` mode: `decode_step` (all layers and the class
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jllama import graphs
@@ -21,6 +22,39 @@ class DecodeStep(JaxState):
 
     def forward(self, token: int, pos: int) -> np.ndarray:
         """Logits f32[vocab_size] for `token` at `pos` (see `jllama.backends.base.Backend`)."""
+        return np.asarray(self._step(token, pos))
+
+    def warm_layers(self) -> tuple[int, ...]:
+        """One layer of each kind: the first of every distinct set of program arguments (a
+        Q4_K_M file holds ffn_down as Q4_K in some layers and Q6_K in others, and each set
+        is a program of its own). Running these layers compiles (or loads) every per-layer
+        program a step runs, at 2-3 layers' cost instead of n_layers' (an 8B model's full
+        warm-up step is ~0.4 s)."""
+        if getattr(self, "_warm_layers", None) is None:
+            seen, picks = set(), []
+            for l, layer in enumerate(self.layers):
+                leaves, tree = jax.tree_util.tree_flatten(layer)
+                kind = (tree, tuple((a.shape, str(a.dtype)) for a in leaves))
+                if kind not in seen:
+                    seen.add(kind)
+                    picks.append(l)
+            self._warm_layers = tuple(picks)
+        return self._warm_layers
+
+    def warm_forward(self, pos: int) -> None:
+        """Compile (or load) the decode step's programs for `pos`'s window by running token 0
+        at `pos` through `warm_layers` and the classifier (the fused mode's one program runs
+        whole). It writes position pos of those layers' caches, which the token of that
+        position writes again before anything reads it."""
+        config = self._prepared("warm_forward")
+        if self.decode == "fused":
+            self.forward(0, pos)
+            return
+        jax.block_until_ready(self._step(0, pos, self.warm_layers()))
+
+    def _step(self, token: int, pos: int, layers=None):
+        """`forward`'s logits on the device, through every layer or the layers of index
+        `layers` only (`warm_forward`)."""
         config = self._prepared("forward")
         token, pos = check_token_pos(config, token, pos)
         x = self._put(embedding_rows(self.token_embedding_table, token))
@@ -41,9 +75,9 @@ class DecodeStep(JaxState):
             for kc, vc, key, value in zip(self.key_cache, self.value_cache, keys, values,
                                           strict=True):
                 kc[b], vc[b] = key, value
-            return np.asarray(logits)
-        for l, layer in enumerate(self.layers):
-            keys, values = self.key_cache[l], self.value_cache[l]
+            return logits
+        for l in range(len(self.layers)) if layers is None else layers:
+            layer, keys, values = self.layers[l], self.key_cache[l], self.value_cache[l]
             q, keys[b], values[b] = programs.qkv(
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
                 self.inv_freq, shards=self._shards, matvec=self.matvec,
@@ -55,6 +89,5 @@ class DecodeStep(JaxState):
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3,
                 matvec=self.matvec,
             )
-        logits = programs.classifier(config, x, self.rms_final_weight, self.wcls,
-                                     matvec=self.matvec)
-        return np.asarray(logits)
+        return programs.classifier(config, x, self.rms_final_weight, self.wcls,
+                                   matvec=self.matvec)

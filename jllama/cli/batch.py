@@ -25,6 +25,7 @@ from jllama.engine import Request, complete_all
 from jllama.errors import JllamaError
 from jllama.files import parse_json, require_regular_file
 from jllama.loading import open_model, required_memory
+from jllama.memory import check_memory
 from jllama.sampling import SamplerSettingError, check_setting, seed_from_clock
 
 
@@ -115,7 +116,10 @@ def main(options: Options) -> int:
             grammar=item.get("grammar", options.text.grammar),
         ))
     n_devices = device_count(run, model.config, several=False)
-    say(required_memory(model, n_devices, kv_cache_types(run, model)))
+    kv_types = kv_cache_types(run, model)
+    check_memory(model, run.backend, slots=options.serve.parallel, cache_type=kv_types[0],
+                 value_type=kv_types[1])
+    say(required_memory(model, n_devices, kv_types, slots=options.serve.parallel))
     compile_programs(run)
     session = open_session(model, run, n_devices, device_sampling=False)
     streams = complete_all(session, requests, n_slots=options.serve.parallel, progress=True)

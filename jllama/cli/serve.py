@@ -13,6 +13,7 @@ from jllama.cli.common import (
 from jllama.cli.options import Options
 from jllama.fetch import KNOWN_MODELS
 from jllama.loading import open_model, required_memory
+from jllama.memory import check_memory
 
 
 def model_id(options: Options) -> str:
@@ -39,7 +40,10 @@ def main(options: Options) -> int:
     model = open_model(m.checkpoint, m.tokenizer, seq_len=m.seq_len, dtype=m.dtype)
     n_devices = device_count(run, model.config, several=False)
     note_seq_len(options, model)
-    say(required_memory(model, n_devices, kv_cache_types(run, model)))
+    kv_types = kv_cache_types(run, model)
+    check_memory(model, run.backend, slots=serve.parallel, cache_type=kv_types[0],
+                 value_type=kv_types[1])
+    say(required_memory(model, n_devices, kv_types, slots=serve.parallel))
     compile_programs(run)  # programs compiled per request are kept for the next server too
     # Every request brings its own sampler, sampled on the host: never the device loop.
     session = open_session(model, run, n_devices, device_sampling=False)

@@ -196,11 +196,14 @@ def block_chunk(
 
 @functools.partial(jax.jit, static_argnums=0)
 def classifier_last(
-    config: ModelConfig, x: jax.Array, rms_final_weight: jax.Array, wcls: jax.Array
+    config: ModelConfig, x: jax.Array, rms_final_weight: jax.Array, wcls: jax.Array,
+    last: jax.Array,
 ) -> jax.Array:
-    """`jllama.graphs.classifier` of the chunk's last token only: x: f32[T, dim] ->
-    logits f32[vocab_size] (the prompt's other tokens need no logits)."""
-    return classifier.__wrapped__(config, x[-1], rms_final_weight, wcls)
+    """`jllama.graphs.classifier` of the chunk's last real token only: x: f32[T, dim], last:
+    int32 scalar, its row (T - 1, or fewer in a chunk padded to its size) -> logits
+    f32[vocab_size] (the prompt's other tokens need no logits)."""
+    row = jax.lax.dynamic_index_in_dim(x, last, keepdims=False)
+    return classifier.__wrapped__(config, row, rms_final_weight, wcls)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -10,3 +10,4 @@
 #include "sampling.cc"
 #include "batch.cc"
 #include "threads.cc"
+#include "repack.cc"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+from itertools import repeat
 from typing import ClassVar
 
 import regex
@@ -141,18 +142,21 @@ class ByteLevelBPE(DecodesPrintedBytes):
     stop_ids: frozenset[int] = dataclasses.field(init=False)
     control_ids: frozenset[int] = dataclasses.field(init=False)
     _ids: dict[str, int] = dataclasses.field(init=False)
-    _ranks: dict[tuple[str, str], int] = dataclasses.field(init=False)
+    _ranks: dict[str, int] = dataclasses.field(init=False)
     _patterns: tuple[regex.Pattern, ...] = dataclasses.field(init=False)
     _ignore_merges: bool = dataclasses.field(init=False)
-    _token_bytes: tuple[bytes, ...] = dataclasses.field(init=False)
+    _token_bytes: list[bytes | None] = dataclasses.field(init=False)
     _specials: tuple[tuple[str, int, bool], ...] = dataclasses.field(init=False)
     _cache: dict[str, tuple[int, ...]] = dataclasses.field(init=False)
     drops_unknown_bytes: ClassVar[bool] = True
 
     def __post_init__(self):
+        # Llama 3's 128,256 tokens and 280,147 merges: the tables are built by C loops (dict,
+        # zip, map) over the strings as read, with no new object per merge, and a token's bytes
+        # are worked out when first asked for (`token_bytes`).
         what = f"tokenizer {self.source}"
-        tokens = tuple(str(t) for t in self.tokens)
-        types = tuple(int(t) for t in self.token_types) or (NORMAL,) * len(tokens)
+        tokens = tuple(map(str, self.tokens))
+        types = tuple(map(int, self.token_types)) or (NORMAL,) * len(tokens)
         n = len(tokens)
         if n == 0:
             raise TokenizerError(f"{what}: the vocabulary is empty")
@@ -173,32 +177,26 @@ class ByteLevelBPE(DecodesPrintedBytes):
                 raise TokenizerError(f"{what}: {name} {value} is out of range [0, {n})")
             object.__setattr__(self, name, value)
 
-        ids: dict[str, int] = {}
-        for i, token in enumerate(tokens):
-            ids.setdefault(token, i)
-        ranks: dict[tuple[str, str], int] = {}
-        merges = tuple(str(m) for m in self.merges)
-        for rank, merge in enumerate(merges):
-            # The first space after position 0 separates the two sides, as llama.cpp's loader
-            # (byte-level texts hold no spaces; a side may itself be a lone space elsewhere).
-            cut = merge.find(" ", 1)
-            if cut < 0:
-                raise TokenizerError(f"{what}: merge {rank} {merge!r} is not two tokens")
-            ranks.setdefault((merge[:cut], merge[cut + 1 :]), rank)
+        # The first id of a text wins (reversed, so the first overwrites the later ones).
+        ids = dict(zip(reversed(tokens), range(n - 1, -1, -1)))
+        merges = tuple(map(str, self.merges))
+        # The first space after position 0 separates the two sides, as llama.cpp's loader
+        # (byte-level texts hold no spaces; a side may itself be a lone space elsewhere).
+        cuts = list(map(str.find, merges, repeat(" "), repeat(1)))
+        if merges and min(cuts) < 0:
+            rank = cuts.index(-1)
+            raise TokenizerError(f"{what}: merge {rank} {merges[rank]!r} is not two tokens")
+        ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))  # first rank wins
 
-        token_bytes, hidden, specials = [], set(), []
-        for i, (token, kind) in enumerate(zip(tokens, types)):
+        hidden, specials = set(), []
+        for i in [i for i, kind in enumerate(types) if kind != NORMAL]:
+            kind = types[i]
             if kind in (CONTROL, UNKNOWN, USER_DEFINED):
-                token_bytes.append(token.encode("utf-8", "surrogateescape"))
-                specials.append((token, i, kind == USER_DEFINED))
+                specials.append((tokens[i], i, kind == USER_DEFINED))
                 if kind != USER_DEFINED:
                     hidden.add(i)
-            elif kind == BYTE and _BYTE_TOKEN.fullmatch(token):
-                token_bytes.append(bytes((int(token[3:5], 16),)))
-            else:
-                token_bytes.append(byte_level_decode(token))
-                if kind not in (NORMAL, BYTE):
-                    hidden.add(i)  # unused or undefined: llama.cpp prints nothing
+            elif kind != BYTE:
+                hidden.add(i)  # unused or undefined: llama.cpp prints nothing
 
         stop = {self.eos_id} | {i for i in (self.eot_id, self.eom_id) if i is not None}
         stop |= {ids[t] for t in END_OF_GENERATION_TEXTS if t in ids}
@@ -219,7 +217,7 @@ class ByteLevelBPE(DecodesPrintedBytes):
             self, "_ignore_merges",
             pre.ignore_merges if self.ignore_merges is None else bool(self.ignore_merges),
         )
-        set_(self, "_token_bytes", tuple(token_bytes))
+        set_(self, "_token_bytes", [None] * n)
         set_(self, "_specials", special_order(specials))
         set_(self, "_cache", {})
 
@@ -302,7 +300,19 @@ class ByteLevelBPE(DecodesPrintedBytes):
         Raises:
           IndexError: `token` out of range.
         """
-        return self._token_bytes[check_token(token, len(self._token_bytes))]
+        known = self._token_bytes
+        token = check_token(token, len(known))
+        data = known[token]
+        if data is None:
+            text, kind = self.tokens[token], self.token_types[token]
+            if kind in (CONTROL, UNKNOWN, USER_DEFINED):
+                data = text.encode("utf-8", "surrogateescape")
+            elif kind == BYTE and _BYTE_TOKEN.fullmatch(text):
+                data = bytes((int(text[3:5], 16),))
+            else:
+                data = byte_level_decode(text)
+            known[token] = data  # the same bytes whichever thread gets here first
+        return data
 
     def printed_bytes(self, prev: int, token: int, *, special: bool = False) -> bytes:
         """The bytes `token` prints (byte-level BPE needs no previous token: `prev` is unused):

@@ -155,13 +155,17 @@ def byte_level_decode(token: str) -> bytes:
         )
 
 
-def merge_by_rank(symbols: list[str | None], ranks: Mapping[tuple[str, str], int]) -> None:
+def merge_by_rank(symbols: list[str | None], ranks: Mapping[str, int]) -> None:
     """BPE of one pre-token's characters: merge `symbols` in place, lowest rank first
     (merged-away entries become None).
 
     Args:
       symbols: the pre-token's characters in GPT-2's alphabet (`byte_level_encode`).
-      ranks: (left, right) -> rank of the merge "left right" (its index in the merges).
+      ranks: "left right" -> rank of that merge (its index in the merges): the merge texts
+        themselves are the keys, so a 280,000-merge vocabulary builds its table without a
+        pair of new strings per merge. A pair is looked up as left + " " + right, which finds
+        exactly the merge that splits into (left, right) at its first space after position 0
+        (llama.cpp's rule), since GPT-2's alphabet has no space: symbols never hold one.
 
     Nodes are the positions of the initial characters; `after`/`before` link the live
     ones. The heap holds (rank, left node) for every adjacent pair that has a merge, plus
@@ -174,14 +178,14 @@ def merge_by_rank(symbols: list[str | None], ranks: Mapping[tuple[str, str], int
     after = [*range(1, n), -1]  # the next live node, -1 after the last
     before = list(range(-1, n - 1))  # the previous live node, -1 before the first
     heap = [(r, i) for i in range(n - 1)
-            if (r := ranks.get((symbols[i], symbols[i + 1]))) is not None]
+            if (r := ranks.get(symbols[i] + " " + symbols[i + 1])) is not None]
     heapq.heapify(heap)
     push, pop = heapq.heappush, heapq.heappop
     while heap:
         rank, i = pop(heap)
         left = symbols[i]
         j = after[i]
-        if left is None or j < 0 or ranks.get((left, symbols[j])) != rank:
+        if left is None or j < 0 or ranks.get(left + " " + symbols[j]) != rank:
             continue
         merged = left + symbols[j]
         symbols[i] = merged
@@ -190,11 +194,11 @@ def merge_by_rank(symbols: list[str | None], ranks: Mapping[tuple[str, str], int
         after[i] = k
         if k >= 0:
             before[k] = i
-            r = ranks.get((merged, symbols[k]))
+            r = ranks.get(merged + " " + symbols[k])
             if r is not None:
                 push(heap, (r, i))
         h = before[i]
         if h >= 0:
-            r = ranks.get((symbols[h], merged))
+            r = ranks.get(symbols[h] + " " + merged)
             if r is not None:
                 push(heap, (r, h))

@@ -211,6 +211,9 @@ def _get_list(metadata, name, kind, source, required=False) -> list | None:
     value = _get(metadata, name, (list, tuple), source, required)
     if value is None:
         return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if set(map(type, value)) <= set(kinds):  # all of them at once: 408,000 in Llama 3's vocab
+        return list(value)
     for i, item in enumerate(value):
         if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
             raise TokenizerError(
