@@ -17,8 +17,13 @@ from jllama.config import ModelConfig
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
     """Inverse frequencies of the rotated pairs: f32[head_dim // 2] (radians per token).
 
-    Computed in float32 as run.c does (`1.0f / powf(theta, 2i / (float)head_dim)`), so angles
-    match run.c's to the last bit or two. With `config.rope_scaling` they are then scaled as
+    Computed in float32 as run.c does (`1.0f / powf(theta, 2i / (float)head_dim)`), with the
+    power correctly rounded to float32 (taken in float64, then rounded), as glibc's powf and
+    torch's `theta ** t` give it, so these are the bits of run.c's and transformers' tables.
+    NumPy's own float32 power is not correctly rounded (NumPy 2.4: off by an ulp in 7 of
+    Llama 3.2 1B's 32 pairs, 13 of Llama 3.1 8B's 64), and the angle pos * inv_freq carries
+    that ulp times the position: 2e-3 rad at position 32767 for inv_freq ~ 0.66.
+    With `config.rope_scaling` they are then scaled as
     Hugging Face transformers' `ROPE_INIT_FUNCTIONS` do (`_compute_linear_scaling_parameters`,
     `_compute_llama3_parameters`; attention is not rescaled for either), or, for a GGUF's
     per-frequency factors, as llama.cpp does:
@@ -36,9 +41,8 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
         factor 1 this is the llama3 row above up to float32 rounding (a few ulp).
     """
     exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
-    inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(
-        np.float32
-    )
+    power = np.power(np.float64(np.float32(config.rope_theta)), exponents.astype(np.float64))
+    inv_freq = (np.float32(1.0) / power.astype(np.float32)).astype(np.float32)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

@@ -129,3 +129,83 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def converter_rope_factors(rope_theta: float, head_dim: int, scaling: dict) -> np.ndarray:
+    """The `rope_freqs.weight` tensor llama.cpp's convert_hf_to_gguf.py writes for a Hugging
+    Face `rope_scaling` of type llama3 (`LlamaModel.generate_extra_tensors`): one divisor per
+    rotated pair, f32[head_dim // 2]. The base frequencies are float32 (torch, as the converter
+    computes them), and so is the arithmetic on each (the converter iterates over the tensor,
+    so every step is a float32 scalar's, Python numbers taken as float32): wavelengths below
+    L / high_freq_factor keep 1, above L / low_freq_factor take `factor`, between them
+    1 / ((1 - s) / factor + s) with s = (L / wavelen - low) / (high - low),
+    L = original_max_position_embeddings."""
+    import math
+
+    import torch
+
+    freqs = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor = scaling.get("factor", 8.0)
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old = scaling.get("original_max_position_embeddings", 8192)
+    divisors = []
+    for freq in freqs.numpy():  # np.float32 scalars: NumPy 2 keeps Python numbers "weak"
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(divisors, np.float32)
+
+
+def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rows of a Hugging Face q_proj / k_proj weight (rotate-half pairing: i with i + hd / 2)
+    put back in Meta's order (adjacent pairs), as the converter's `LlamaModel.permute` does
+    (n_heads: the projection's heads, n_kv_heads for k_proj)."""
+    out = w.shape[0]
+    return (w.reshape(n_heads, 2, out // n_heads // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def write_converted_llama(path: Path, hf_model) -> Path:
+    """A transformers `LlamaForCausalLM` written as llama.cpp's convert_hf_to_gguf.py writes
+    it with --outtype f32: context_length = max_position_embeddings, q/k rows by
+    `converter_permute`, a llama3 `rope_scaling` as `rope_freqs.weight`
+    (`converter_rope_factors`) and no scaling keys, `output.weight` only when untied. The
+    vocabulary is `write_gguf`'s byte-level one (vocab_size must be at most 259)."""
+    hf = hf_model.config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    config = ModelConfig(
+        dim=hf.hidden_size, hidden_dim=hf.intermediate_size, n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads, n_kv_heads=hf.num_key_value_heads,
+        vocab_size=hf.vocab_size, seq_len=hf.max_position_embeddings,
+        shared_weights=bool(hf.tie_word_embeddings), norm_eps=hf.rms_norm_eps,
+        rope_theta=theta, head_dim=head_dim,
+    )
+    state = {k: v.detach().to("cpu").float().numpy() for k, v in hf_model.state_dict().items()}
+
+    def stack(name: str, heads: int | None = None) -> np.ndarray:
+        rows = [state[f"model.layers.{i}.{name}"] for i in range(config.n_layers)]
+        return np.stack([converter_permute(r, heads) if heads else r for r in rows])
+
+    embedding = state["model.embed_tokens.weight"]
+    weights = TransformerWeights(
+        token_embedding_table=embedding,
+        rms_att_weight=stack("input_layernorm.weight"),
+        wq=stack("self_attn.q_proj.weight", config.n_heads),
+        wk=stack("self_attn.k_proj.weight", config.n_kv_heads),
+        wv=stack("self_attn.v_proj.weight"), wo=stack("self_attn.o_proj.weight"),
+        rms_ffn_weight=stack("post_attention_layernorm.weight"),
+        w1=stack("mlp.gate_proj.weight"), w2=stack("mlp.down_proj.weight"),
+        w3=stack("mlp.up_proj.weight"), rms_final_weight=state["model.norm.weight"],
+        wcls=embedding if config.shared_weights else state["lm_head.weight"],
+    )
+    extra = {}
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        extra["rope_freqs.weight"] = converter_rope_factors(theta, head_dim, rope)
+    return write_gguf(path, config, weights, extra_tensors=extra)

@@ -347,10 +347,14 @@ def test_q4_k_m_logits_equal_llama_cpp_on_its_dequantized_weights(q4_k_m, oracle
 
 # The largest gap to llama.cpp's best logit along its continuation, measured on this fixture
 # with the kernels (2026-12-01), about three times over. Q4_K_M: llama.cpp's arithmetic up to
-# float rounding (7.6e-6 measured); the others part by a few hundredths after their first dozen
-# steps (the first 8 agree to 1e-5), where an activation's int8 rounding flips one way in one
-# program and the other way in the other, and the flips add up.
-STORED_TOLERANCE = {"Q4_K_M": 1e-4, "Q5_K_M": 0.03, "Q6_K": 0.01, "Q3_K_M": 0.12, "Q2_K": 0.06}
+# float rounding (1e-5 at 63 of its 64 steps) and one int8 rounding of an activation: llama.cpp
+# turns its RoPE angles by repeated products (theta *= theta_scale), not pos * inv_freq, so they
+# part by ~4e-6 rad here; where one lands an activation on the other side of a rounding edge,
+# that step's best logit moves by 8.8e-4 (measured with inv_freq correctly rounded; with
+# inv_freq moved by an ulp at random pairs, 3 draws in 6 gave that same 8.8e-4, 3 gave 2e-5).
+# The others part by a few hundredths after their first dozen steps (the first 8 agree to
+# 1e-5), where such flips go one way in one program and the other way in the other, and add up.
+STORED_TOLERANCE = {"Q4_K_M": 2e-3, "Q5_K_M": 0.03, "Q6_K": 0.01, "Q3_K_M": 0.12, "Q2_K": 0.06}
 
 
 @pytest.mark.parametrize("quant", QUANTS)
