@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt_tokens", type=int, required=True)
     p.add_argument("--decode_tokens", type=int, default=64)
     p.add_argument("--seq_len", type=int, default=0, help="0: prompt + decode tokens")
+    p.add_argument("--cache_type", default="auto", help="the KV cache type (keys and values)")
     args = p.parse_args(argv)
 
     from worker import prompt_tokens  # BOS-like first id, then fixed random ids
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         compile_cache.setup(enabled=True, warn=lambda line: None)
         start = time.perf_counter()
         model = open_model(args.checkpoint, seq_len=seq_len)
-        session = Session.prepare(model)
+        session = Session.prepare(model, cache_type_k=args.cache_type,
+                                  cache_type_v=args.cache_type)
         load_s = time.perf_counter() - start
         ids = prompt_tokens(args.prompt_tokens, model.config.vocab_size, seed=0)
         generation = session.generate(ids, Sampler(temperature=0.0),
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_tokens": stats.decode_steps, "decode_s": stats.decode_seconds,
         "decode_mode": session.decode_mode(Sampler(temperature=0.0)),
         "load_s": load_s, "compile_s": session.compile_seconds, "seq_len": model.config.seq_len,
+        "cache_types": [t.name for t in getattr(session.backend, "cache_types", ())],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,
     }), flush=True)
     return 0
