@@ -66,15 +66,13 @@ void ggml_groups(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int6
 #if JLLAMA_Q_Z16
   for (; r + 16 <= end; r += 16) {
     const uint8_t* group = rows + r * part.row_bytes;
-    if (Stream) prefetch_stream(group, 2 * group_bytes);
     float* const ys[1] = {g.y + r};
-    ggml::x16_dot_n<T, 1>(group, group_bytes, &qx, ys);
+    ggml::x16_dot_n<T, 1, Stream>(group, group_bytes, &qx, ys);
   }
 #endif
   for (; r < end; r += 8) {
     const uint8_t* group = rows + r * part.row_bytes;
-    if (Stream) prefetch_stream(group, group_bytes);
-    ggml::x8_dot<T>(group, qx, g.y + r);
+    ggml::x8_dot<T, Stream>(group, qx, g.y + r);
   }
 #endif
 }
