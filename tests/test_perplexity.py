@@ -197,10 +197,13 @@ def test_smollm2_matches_llama_perplexity(smollm2_gguf):
         got = ppl.perplexity(backend.prefill_logits, tokens, case["ctx"], bos_id=None,
                              chunks=case["chunks"], n_vocab=model.tokenizer.vocab_size)
         assert got.chunks == case["chunks"]
-        # llama.cpp prints 4 and 5 decimals
-        assert got.estimate.ppl == pytest.approx(case["ppl"], abs=2e-4), case
-        assert got.estimate.ppl_error == pytest.approx(case["ppl_error"], abs=2e-5), case
-        assert got.chunk_ppl == pytest.approx(case["chunk_ppl"], abs=2e-4), case
+        # llama.cpp prints 4 and 5 decimals; beyond that rounding, f32 sums in another order
+        # (XLA's CPU codegen differs by machine: CI's gave 68.31409 for 68.3143) move a
+        # perplexity by a few parts per million, so the bound is the larger of the two
+        assert got.estimate.ppl == pytest.approx(case["ppl"], rel=5e-6, abs=2e-4), case
+        assert got.estimate.ppl_error == pytest.approx(case["ppl_error"], rel=5e-6,
+                                                       abs=2e-5), case
+        assert got.chunk_ppl == pytest.approx(case["chunk_ppl"], rel=5e-6, abs=2e-4), case
 
 
 # ---------------------------------------------------------------- the rules, worked by hand
