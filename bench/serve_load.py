@@ -117,10 +117,24 @@ async def run_level(url: str, model: str, clients: int, requests: int, max_token
     counter = iter(range(total))
     results: list[dict] = []
 
+    retries = 0
+
     async def client() -> None:
-        async with httpx.AsyncClient(timeout=600) as http:
+        nonlocal retries
+        http = httpx.AsyncClient(timeout=600)
+        try:
             for i in counter:
-                results.append(await one_request(http, url, body(model, i, max_tokens), path))
+                try:
+                    results.append(await one_request(http, url, body(model, i, max_tokens), path))
+                except httpx.RemoteProtocolError:
+                    # The server closed the connection before answering (llama-server did so
+                    # now and then under 8 clients here): once more on a new connection.
+                    retries += 1
+                    await http.aclose()
+                    http = httpx.AsyncClient(timeout=600)
+                    results.append(await one_request(http, url, body(model, i, max_tokens), path))
+        finally:
+            await http.aclose()
 
     async with httpx.AsyncClient(timeout=600) as http:  # warm-up, not counted
         await one_request(http, url, body(model, 0, max_tokens), path)
@@ -138,6 +152,7 @@ async def run_level(url: str, model: str, clients: int, requests: int, max_token
         "latency_s_median": round(statistics.median(latencies), 4),
         "latency_s_max": round(max(latencies), 4),
         "short_replies": sum(r["tokens"] < max_tokens for r in results),
+        "retries": retries,
     }
 
 

@@ -136,12 +136,23 @@ def peak_rss_mb(pid: int) -> float | None:
     return None
 
 
-def start_llama_server(argv: list[str], port: int, timeout_s: float = 600) -> subprocess.Popen:
-    """Starts it and waits for GET /health to answer 200 (the model loaded)."""
+LOG = HERE / ".cache" / "llama-server.log"
+"""llama-server's output of the latest run (its crashes leave their reason there)."""
+
+
+def start_llama_server(argv: list[str], port: int, timeout_s: float = 600,
+                       log: Path | None = None) -> subprocess.Popen:
+    """Starts it (its stdout and stderr to `log`, when given) and waits for GET /health to
+    answer 200 (the model loaded)."""
     import httpx
 
-    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    out = open(log, "wb") if log is not None else subprocess.DEVNULL
+    try:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if log is not None:
+            out.close()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -275,14 +286,25 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     port = free_port()
                     process = start_llama_server(llama_server_argv(
-                        server_bin, path, port, args.parallel, args.context, args.threads), port)
+                        server_bin, path, port, args.parallel, args.context, args.threads), port,
+                        log=LOG)
                     url, model = f"http://127.0.0.1:{port}/v1", name
                 try:
                     for n in clients:
                         load1 = round(os.getloadavg()[0], 2)
-                        result = asyncio.run(run_level(url, model, n, args.requests,
-                                                       args.max_tokens, chat_body,
-                                                       "/chat/completions"))
+                        try:
+                            result = asyncio.run(run_level(url, model, n, args.requests,
+                                                           args.max_tokens, chat_body,
+                                                           "/chat/completions"))
+                        except Exception as e:  # a server that died mid-level: say so, go on
+                            code = process.poll()
+                            emit({"metric": "error", "rep": rep, "model": name, "server": server,
+                                  "clients": n, "error": f"{type(e).__name__}: {e}",
+                                  "server_exit": code,
+                                  "log": str(LOG) if server != "jllama" else None})
+                            if code is not None:
+                                break
+                            continue
                         emit({"metric": "load", "rep": rep, "model": name, "server": server,
                               "load1": load1, "parallel": args.parallel,
                               "context": args.context, **result,
@@ -300,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             saver.save(args.out)  # appended whole, as run.py's --out
         except OSError as e:
             raise BenchError(f"--out={args.out}: could not write: {e}") from None
-    return 0
+    return 1 if any(r["metric"] == "error" for r in lines) else 0
 
 
 if __name__ == "__main__":
