@@ -54,8 +54,13 @@ void ggml_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_
   }
 }
 
-// Groups of 8 rows in an x8 layout: rows [begin, end), both multiples of 8; two groups at a
-// time in 512-bit registers where the build has them (ggml_x8.h's Z16: the same bits as one).
+// Groups of 8 rows in an x8 layout: rows [begin, end), both multiples of 8. A product that
+// reuses its tiles (not Stream) takes two groups at a time in 512-bit registers where the build
+// has them (ggml_x8.h's Z16: the same bits as one group at a time). Decode's streaming products
+// (Stream) take one group at a time: a core then reads one run of memory, not two interleaved,
+// and on the 2-core AMD EPYC VM (2026-12-05) that decoded Llama-3.1-8B Q4_K_M at 14.8-15.2 tok/s
+// against 11.5-11.7 two at a time, Llama-3.2-1B Q4_K_M 62 against 50, SmolLM2 374-379 against
+// 322-329 (bench/NOTES.md).
 template <int32_t T, bool Stream>
 void ggml_groups(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_t end) {
 #if JLLAMA_Q_AVX2
@@ -64,7 +69,7 @@ void ggml_groups(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int6
   const ggml::Activations& qx = g.qx[ggml::activation_kind(T)];
   int64_t r = begin;
 #if JLLAMA_Q_Z16
-  for (; r + 16 <= end; r += 16) {
+  for (; !Stream && r + 16 <= end; r += 16) {
     const uint8_t* group = rows + r * part.row_bytes;
     float* const ys[1] = {g.y + r};
     ggml::x16_dot_n<T, 1, Stream>(group, group_bytes, &qx, ys);
