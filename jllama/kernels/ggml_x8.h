@@ -416,7 +416,7 @@ inline int32_t pair32(const int16_t* p) {
   return v;
 }
 
-constexpr int64_t kTileAhead = 4096;
+constexpr int64_t kTileAhead = 8192;
 
 // A streaming product's steady stream ahead (Ahead: decode's big products, simd.h's
 // JLLAMA_PREFETCH): the bytes of this block's tile `kTileAhead` further on in each group's rows,
@@ -424,7 +424,10 @@ constexpr int64_t kTileAhead = 4096;
 // its start instead (up to 190 KB at once for Llama-3.1-8B's ffn_down) ran past what a core keeps
 // in flight: Llama-3.1-8B Q4_K_M decoded at 5.8-6.1 tok/s that way, 9.7-11.2 this way, beside
 // llama-bench's 9.1-10.9 (2-core AMD EPYC VM, 2026-12-05; 2048 and 16384 bytes ahead measured
-// too: 16384 gave 8.0 on the 8B).
+// too: 16384 gave 8.0 on the 8B). Once decode read one group at a time (ggml_products.cc's
+// ggml_groups), 8192 bytes ahead beat 4096 on the same VM: Llama-3.2-1B Q4_K_M 61-85 tok/s
+// (median 79) against 72-81 (median 74), SmolLM2 409-458 against 270-384; 2048 was slower
+// (56-72), 16384 no better; the 8B within noise (11.7-15.7 either way).
 template <class V, bool Ahead>
 inline void tile_ahead(const uint8_t* w, int64_t pair, int64_t bytes) {
 #if JLLAMA_PREFETCH && (defined(__x86_64__) || defined(_M_X64))
