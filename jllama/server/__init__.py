@@ -4,6 +4,7 @@
   schema.py   request bodies, validated (pydantic, strict types) -> SamplerConfig
   engine.py   the model worker thread and its first-in, first-out queue
   app.py      the FastAPI routes, server-sent events
+  request_head.py  what a request's head decides: trailing slashes, body length and type
 
 `ServerThread` runs the server in a background thread of this process (tests, notebooks);
 `jllama serve` runs it in the foreground.

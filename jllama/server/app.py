@@ -8,7 +8,9 @@ choices). `response_format` and `tools` constrain the reply (`jllama.server.stru
 `jllama.server.tools`); a call comes back as `tool_calls` (`jllama.server.tool_reply`). Every
 refusal is OpenAI's error JSON (`jllama.server.errors.APIError`) with its
 status: 400 for a bad field (named in `param`), 404 for an unknown model or path, 405 for a
-wrong method, 413 for a body over the limit, 503 when the queue is full.
+wrong method, 413 for a body over the limit (at once when its declared length is), 415 for a
+body that is not JSON by its Content-Type (`jllama.server.request_head`), 503 when the queue
+is full. A path with a trailing slash is the path without it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jllama.errors import JllamaError
 from jllama.server.engine import Engine, Failed, Job, Text
 from jllama.server.errors import APIError
 from jllama.server.payloads import TextOffsets, chat_logprobs, completion_logprobs, usage
+from jllama.server.request_head import TrailingSlashes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from jllama.server.structured import response_format_grammar
 from jllama.server.tool_reply import TextReply, ToolReply
@@ -59,7 +62,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     Args:
       engine: the model worker (`jllama.server.engine.Engine`).
       model_id: the name clients give as `model` (others get 404).
-      max_body_bytes: the largest request body accepted, bytes (larger: 413).
+      max_body_bytes: the largest request body accepted, bytes (larger: 413, at once when the
+        declared Content-Length is).
       body_timeout_s: seconds a request's body may take to arrive (slower: 408).
     """
     model = engine.model
@@ -71,7 +75,10 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         template = ChatTemplate.for_tokenizer(model.chat_template, tokenizer, source=model.source)
     renders_tools = template is not None and template_renders_tools(template)
 
-    app = FastAPI(title="jllama", docs_url=None, redoc_url=None, openapi_url=None)
+    # No 307 to the path without its trailing slash: the path is answered as that one.
+    app = FastAPI(title="jllama", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
+    app.add_middleware(TrailingSlashes)
     # Submitted jobs, until their requests end (keyed by id: a Job compares by value).
     live: weakref.WeakValueDictionary[int, Job] = weakref.WeakValueDictionary()
 

@@ -7,7 +7,14 @@ whole head, silently (one line each would let such clients flood the log). uvico
 only idle keep-alive connections, and not once a byte of the next request came.
 
 Bytes h11 cannot parse as a request (garbage, `Content-Length: -5`) get uvicorn's 400 with
-`{"error": {...}}` as its body instead of plain text, as every other refusal of the server."""
+`{"error": {...}}` as its body instead of plain text, as every other refusal of the server.
+
+A request answered before its body was read (a 413 from its declared length, a 415, a 404)
+keeps its connection: h11 drops the rest of the body as it arrives and the next request on the
+connection is read after it, so a client still sending reads the answer rather than a reset
+(closing a socket with unread bytes sends a TCP RST, which can discard the answer on the
+client's side). Past DRAIN_BYTES dropped, or HEAD_TIMEOUT_S after the answer, the connection is
+closed instead."""
 
 from __future__ import annotations
 
@@ -22,6 +29,9 @@ from jllama.server.errors import APIError
 HEAD_TIMEOUT_S = 10.0
 """Seconds a client has to send a whole request head (request line and headers)."""
 
+DRAIN_BYTES = 64 * 1024 * 1024
+"""The most bytes of an already answered request's body dropped before its connection closes."""
+
 
 def timed_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[H11Protocol]:
     """An `H11Protocol` class closing connections whose request head takes longer than
@@ -32,6 +42,17 @@ def timed_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[H11Protocol]:
             super().connection_made(transport)
             self._timed_cycle = None
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+            self._dropped = 0
+
+        def data_received(self, data: bytes) -> None:
+            # Answered while the client still sends the body: h11 drops these bytes (see the
+            # module docstring), up to a cap.
+            if self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY:
+                self._dropped += len(data)
+                if self._dropped > DRAIN_BYTES:
+                    self.transport.close()
+                    return
+            super().data_received(data)
 
         def handle_events(self) -> None:
             super().handle_events()
@@ -40,6 +61,7 @@ def timed_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[H11Protocol]:
                 self._stop_timer()
 
         def on_response_complete(self) -> None:
+            self._dropped = 0
             super().on_response_complete()
             if not self.transport.is_closing():  # the next request's head, on keep-alive
                 self._stop_timer()
@@ -55,6 +77,12 @@ def timed_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[H11Protocol]:
                 self._head_timer = None
 
         def send_400_response(self, msg: str) -> None:
+            if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+                # The request was answered already (an early 413) and the bytes h11 cannot
+                # parse are the rest of its body: a second response cannot follow (h11 would
+                # raise inside data_received, a traceback in the log); close.
+                self.transport.close()
+                return
             body = json.dumps(APIError(400, f"not an HTTP request this server can read: {msg}",
                                        code="bad_http_request").body()).encode()
             head = h11.Response(status_code=400, reason=b"Bad Request", headers=[

@@ -329,9 +329,13 @@ def parse_body(body: bytes, kind: type[_Sampling]) -> _Sampling:
         raise ValueError(f"{name} is not a JSON number")
 
     try:
-        data = json.loads(body, parse_constant=no_constants)
+        # UTF-8 only: json.loads of bytes would take UTF-16 and UTF-32 as well, guessing from
+        # the zero bytes. A UTF-8 byte order mark is allowed (RFC 8259 lets a reader ignore it).
+        text = body.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the body is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        data = json.loads(text, parse_constant=no_constants)
     except json.JSONDecodeError as e:
         raise APIError(
             400, f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"

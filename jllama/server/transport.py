@@ -14,21 +14,24 @@ from starlette.requests import ClientDisconnect
 
 from jllama.server.engine import Done, Failed, Job, Text, TokenLogprob
 from jllama.server.errors import APIError
+from jllama.server.request_head import check_body_head, too_large
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """The default limit on a request body (bytes): far more than any prompt that fits a context."""
-
-_DRAIN_LIMIT = 256 * 1024 * 1024  # read (and drop) at most this much of an oversized body
-
 
 BODY_TIMEOUT_S = 30.0
 """Seconds a client has to send a request's whole body (a slow sender gets a 408)."""
 
 
 async def read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
-    """The body, at most `limit` bytes, within `timeout_s` seconds (else a 408). An oversized
-    body is still read (up to a hard cap) and dropped before the 413 goes out, so the client,
-    still sending, sees the answer rather than a reset connection."""
+    """The body, at most `limit` bytes, within `timeout_s` seconds (else a 408).
+
+    Its head is checked first (`check_body_head`: 400, 413 or 415 before a byte is read), and
+    a chunked body (no declared length) that passes `limit` as it arrives gets its 413 as
+    soon as it does. The rest of a refused body is not awaited: uvicorn's protocol drops it
+    as it comes after the answer (up to a cap, `jllama.server.protocol`), so a client still
+    sending reads the 413 rather than a reset connection."""
+    check_body_head(request.headers, limit)
     try:
         async with asyncio.timeout(timeout_s):
             return await _read_body_now(request, limit)
@@ -38,26 +41,15 @@ async def read_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOU
 
 
 async def _read_body_now(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    too_big = declared is not None and declared.isdigit() and int(declared) > limit
     chunks, total = [], 0
     try:
         async for chunk in request.stream():
             total += len(chunk)
             if total > limit:
-                too_big = True
-            if too_big:
-                if total > _DRAIN_LIMIT:
-                    break
-                continue
+                raise too_large(limit)
             chunks.append(chunk)
     except ClientDisconnect:  # gone while sending: one access-log line, not a traceback
         raise APIError(499, "the client closed the connection while sending the body") from None
-    if too_big:
-        raise APIError(
-            413, f"the request body is larger than the limit of {limit} bytes",
-            code="request_too_large",
-        )
     return b"".join(chunks)
 
 
