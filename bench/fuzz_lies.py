@@ -4,6 +4,16 @@ JSON, non-finite hyperparameters, ...).
 
 A lie is (name, apply(data) -> data, expectation); the Hugging Face ones also name the file they
 change. None draws a random number, so every run holds the same lies.
+
+Issue 33's float32 lies: numbers finite as float64 but not in float32, where the forward pass
+computes (an RMS epsilon or RoPE base of 1e300 or 1e308 stored as FLOAT64, a RoPE factor of
+1e-300, rope_freqs of 1e-45, a llama2.c group scale of 3e38), and values the formulas cannot
+take (a negative epsilon, a base of 1, llama3 factors equal in float32): each refused in one
+line. And K-quant lies: an f16 d or dmin of inf or NaN in a Q4_K / Q6_K block of a real
+llama.cpp Q4_K_M file (tests/data/llama32_tiny). Those are not looked for at load (llama.cpp
+runs them too, unless --check-tensors; scanning every block would read the whole file): the
+weights turn inf/NaN, the logits do, and the generator refuses them in one line; "refuse"
+holds them to that, with no NumPy warning on the way.
 """
 
 from __future__ import annotations
@@ -17,7 +27,11 @@ import gguf
 
 from fuzz_mutations import (  # bench/ is the script's folder
     HUGE_DIGITS, U64_MAX, deep, patch, pow_name, safetensors_edit)
-from fuzz_seeds import GGUFLayout, Seed
+from fuzz_seeds import REPO, GGUFLayout, Seed, tiny_config
+
+KQUANT_FILE = REPO / "tests" / "data" / "llama32_tiny" / "llama32-tiny-Q4_K_M.gguf"
+"""A Q4_K_M file llama.cpp's llama-quantize wrote (the GGUF seed's rows of 64 cannot hold
+256-element K-quant blocks): Q4_K and Q6_K tensors, and a rope_freqs tensor."""
 
 
 # --- GGUF lies ---
@@ -136,6 +150,30 @@ def gguf_lies(seed: Seed) -> Iterator[tuple[str, Callable[[bytes], bytes], str]]
         yield (f"gguf.uint[{key}]={pow_name(value)}",
                lambda d, at=kv[key][3][0], v=value: patch(d, at, "<I", v), "refuse")
 
+    # Issue 33: float32 values. A FLOAT32 entry rewritten as FLOAT64 (finite there, inf in
+    # float32), float32 values the formulas cannot take, a linear factor added as FLOAT64,
+    # and a rope_freqs tensor added.
+    for key in ("llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base"):
+        for value in (1e300, 1e308):
+            yield (f"gguf.float64[{key}]={value:g}",
+                   lambda d, k=key, v=value: gguf_as_float64(d, lay, k, v), "refuse")
+    for key, value in (("llama.attention.layer_norm_rms_epsilon", -1e-5),
+                       ("llama.rope.freq_base", 1.0)):
+        yield (f"gguf.float[{key}]={value:g}",
+               lambda d, at=kv[key][3][0], v=value: patch(d, at, "<f", v), "refuse")
+    yield ("gguf.float64[llama.rope.scaling.factor]=1e-300",
+           lambda d: gguf_add_entry(d, lay, "llama.rope.scaling.factor",
+                                    struct.pack("<Id", gguf.GGUFValueType.FLOAT64, 1e-300)),
+           "refuse")
+    yield "gguf.rope_freqs=1e-45", lambda d: gguf_add_rope_freqs(d, lay, 1e-45), "refuse"
+    # K-quant blocks with an f16 scale of inf or NaN (byte offsets of d / dmin in the block).
+    for tensor, at, name, bits in (("blk.0.attn_q.weight", 0, "Q4_K d", 0x7C00),
+                                   ("blk.0.attn_q.weight", 2, "Q4_K dmin", 0x7C00),
+                                   ("blk.1.ffn_down.weight", 208, "Q6_K d", 0x7E00)):
+        value = "inf" if bits == 0x7C00 else "nan"
+        yield (f"gguf.kquant[{tensor} block 0 {name}]={value}",
+               lambda d, t=tensor, at=at, b=bits: kquant_scale(t, at, b), "refuse")
+
     # Weights that are not numbers: the file is well formed; what jllama does is recorded.
     for value in (math.nan, math.inf):
         at = tensors[f32][5][0]
@@ -154,14 +192,53 @@ def gguf_add_u8_array(data: bytes, lay: GGUFLayout, key: str, count: int,
                       present: int = 10) -> bytes:
     """A new metadata entry: a uint8 array declaring `count` items with `present` there (the
     issue's 1 KB file that took minutes), added after the last entry with kv_count + 1."""
-    raw = key.encode()
-    entry = (struct.pack("<Q", len(raw)) + raw
-             + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT8, count)
+    value = (struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT8, count)
              + bytes(range(present)))
+    return gguf_add_entry(data, lay, key, value)
+
+
+def gguf_add_entry(data: bytes, lay: GGUFLayout, key: str, value: bytes) -> bytes:
+    """A new metadata entry `key` (value: its u32 type and the value's bytes), added after the
+    last entry with kv_count + 1."""
+    raw = key.encode()
+    entry = struct.pack("<Q", len(raw)) + raw + value
     last_kv_end = max(o + n for parts in lay.kv.values() for o, n in parts[-1:])
     (n_kv,) = struct.unpack_from("<Q", data, 16)
     data = patch(data, 16, "<Q", n_kv + 1)
     return gguf_splice(data, lay, last_kv_end, 0, entry)
+
+
+def gguf_as_float64(data: bytes, lay: GGUFLayout, key: str, value: float) -> bytes:
+    """The FLOAT32 entry `key` rewritten as a FLOAT64 holding `value` (a type and 8 bytes in
+    place of a type and 4; GGUF allows FLOAT64 for any value)."""
+    (type_at, _), (value_at, _) = lay.kv[key][2], lay.kv[key][3]
+    return gguf_splice(data, lay, type_at, value_at + 4 - type_at,
+                       struct.pack("<Id", gguf.GGUFValueType.FLOAT64, value))
+
+
+def gguf_add_rope_freqs(data: bytes, lay: GGUFLayout, value: float) -> bytes:
+    """A rope_freqs.weight tensor of head_dim / 2 factors all `value` (F32), added after the
+    last tensor as llama.cpp's converter adds Llama 3.1's: its info after the last info
+    (tensor_count + 1), its data at the end of the data section (each tensor starts at the
+    previous end, aligned)."""
+    (head_dim,) = struct.unpack_from("<I", data, lay.kv["llama.attention.key_length"][3][0])
+    values = [value] * (head_dim // 2)
+    name = b"rope_freqs.weight"
+    section = len(data) - lay.data_offset
+    offset = -(-section // lay.alignment) * lay.alignment
+    info = (struct.pack("<Q", len(name)) + name
+            + struct.pack("<IQIQ", 1, len(values), gguf.GGMLQuantizationType.F32, offset))
+    (n_tensors,) = struct.unpack_from("<Q", data, 8)
+    data = gguf_splice(patch(data, 8, "<Q", n_tensors + 1), lay, lay.info_end, 0, info)
+    return data + bytes(offset - section) + struct.pack(f"<{len(values)}f", *values)
+
+
+def kquant_scale(tensor: str, at: int, bits: int) -> bytes:
+    """KQUANT_FILE with the f16 at byte `at` of `tensor`'s first block set to `bits`."""
+    from jllama.formats.gguf_header import read_header
+
+    start = next(t.data_offset for t in read_header(KQUANT_FILE).tensors if t.name == tensor)
+    return patch(KQUANT_FILE.read_bytes(), start + at, "<H", bits)
 
 
 def gguf_nest_tokens(data: bytes, lay: GGUFLayout) -> bytes:
@@ -198,6 +275,14 @@ def llama2c_lies(seed: Seed) -> Iterator[tuple[str, Callable, str]]:
         for value in (3, -1):
             yield (f"llama2c.header[version]={value}",
                    lambda d, v=value: patch(d, 4, "<i", v), "refuse")
+        # Issue 33: the first group scale of the first Q8_0 tensor (the embedding, after the
+        # three norms) at 3e38, finite in float32 but not times an int8 of 127, and NaN.
+        config = tiny_config(512)
+        norms = (2 * config.n_layers + 1) * config.dim
+        first_scale = 256 + 4 * norms + config.vocab_size * config.dim
+        for value in (3e38, math.nan):
+            yield (f"llama2c.group_scale[token_embedding_table 0]={value:g}",
+                   lambda d, v=value: patch(d, first_scale, "<f", v), "refuse")
 
 
 def tokenizer_bin_lies(seed: Seed) -> Iterator[tuple[str, Callable, str]]:
@@ -247,6 +332,15 @@ def config_lies(seed: Seed) -> Iterator[tuple[str, Callable, str, str]]:
         for raw in ("1e999", "-1e999", "NaN"):
             yield (t, f"json.value[config.json {key}]={raw}",
                    lambda d, k=key, v=raw: json_with(d, k, v), "refuse")
+    # Issue 33: finite as float64, not as float32 (or 0 there), and llama3 factors that are
+    # equal in float32 (transformers divides by high_freq_factor - low_freq_factor).
+    for key, raw in (("rms_norm_eps", "1e300"), ("rope_theta", "1e308"),
+                     ("rope_scaling", '{"rope_type": "linear", "factor": 1e-300}'),
+                     ("rope_scaling", '{"rope_type": "llama3", "factor": 8.0, '
+                      '"low_freq_factor": 1.0, "high_freq_factor": 1.00000001, '
+                      '"original_max_position_embeddings": 64}')):
+        yield (t, f"json.float32[config.json {key}]={raw}",
+               lambda d, k=key, v=raw: json_with(d, k, v), "refuse")
     yield (t, "json.value[config.json max_position_embeddings]=2^22",
            lambda d: json_with(d, "max_position_embeddings", str(2**22)), "bounded")
     for key, raw in (("hidden_size", str(2**40)), ("num_hidden_layers", str(10**9)),

@@ -11,6 +11,8 @@ import dataclasses
 import math
 import operator
 
+import numpy as np
+
 from jllama.errors import ConfigError
 
 # Sizes above these are not models anyone runs on this engine; a header that claims them is
@@ -22,6 +24,119 @@ MAX_SEQ_LEN = 1 << 22
 
 
 ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
+
+
+# --- Hyperparameters checked in the type the forward pass computes them in.
+#
+# Every backend computes in float32 (run.c's floats): a value that is finite and positive as
+# a Python float (float64) can be inf or 0 there. 1e300 as an RMS epsilon is inf in float32,
+# so every normalized row is 0 and the model prints token 0 forever; 1e-300 as a RoPE factor
+# is 0, and dividing the frequencies by it gives inf angles and NaN logits. Readers call these
+# with the file's own key as `name` (so the message names the field the file holds), and
+# `ModelConfig` / `RopeScaling` call them again with their own field names for configs made in
+# Python. None of them lets NumPy print a RuntimeWarning: the casts run with warnings off and
+# their results are checked.
+
+
+def _shown(value) -> str:
+    """A number for a message: a float32's own shortest digits when it is one (a GGUF
+    FLOAT32 -1e-5 reads as -9.999999747378752e-06 in float64 and shows as -1e-05), else
+    Python's repr."""
+    if not isinstance(value, (float, np.floating)):
+        return repr(value)
+    with np.errstate(over="ignore", invalid="ignore"):
+        v32 = np.float32(value)
+    return str(v32) if np.isfinite(v32) and float(v32) == float(value) else repr(float(value))
+
+
+def float32_of(name: str, value, user: str) -> np.float32:
+    """`value` rounded to float32, the type it is computed in.
+
+    Args:
+      name: the field as the caller's source names it, for the message.
+      value: a real number (int, float, NumPy scalar).
+      user: what computes with it ("RMSNorm", "RoPE"), for the message.
+
+    Raises:
+      ConfigError: NaN, or a value beyond float32's range (|value| > 3.4028235e38 after
+        rounding: inf there), one line naming `name`.
+    """
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            v32 = np.float32(value)
+    except OverflowError:  # a Python int beyond float64 (config.json allows 10^400)
+        v32 = np.float32(np.inf)
+    if not np.isfinite(v32):
+        raise ConfigError(f"{name}={_shown(value)} is not finite as float32 (the type {user} "
+                          "computes in)")
+    return v32
+
+
+def _positive_float32(name: str, value, user: str, why: str) -> np.float32:
+    v32 = float32_of(name, value, user)
+    if v32 > 0:
+        return v32
+    if value > 0:  # positive in float64, but below float32's smallest subnormal (1.4e-45)
+        raise ConfigError(f"{name}={_shown(value)} is 0 as float32; it must be positive ({why})")
+    raise ConfigError(f"{name}={_shown(value)} must be positive ({why})")
+
+
+def check_norm_eps(value, name: str = "norm_eps") -> None:
+    """Check RMSNorm's epsilon (`weight * x / sqrt(mean(x^2) + eps)`, in float32).
+
+    Bounds: 0 < float32(eps) < inf. Positive, so an all-zero row does not divide 0 by 0
+    (NaN); any positive float32, even the smallest subnormal, keeps 1 / sqrt(eps) finite
+    (at most 2.7e22). Finite, since inf makes every normalized row 0. No tighter upper bound:
+    the formula is defined for any finite eps (a large one only flattens the activations),
+    and Llama-family files hold 1e-6 or 1e-5.
+
+    Raises:
+      ConfigError: NaN, not finite as float32, zero there (e.g. 1e-50) or negative; one line
+        naming `name`.
+    """
+    _positive_float32(name, value, "RMSNorm", "RMSNorm divides by sqrt(mean(x^2) + eps)")
+
+
+def check_rope_theta(value, name: str = "rope_theta") -> None:
+    """Check RoPE's base theta (`inv_freq[i] = theta ** (-2i / head_dim)`, in float32).
+
+    Bounds: 1 < float32(theta) < inf. At theta <= 0 the power is NaN or inf; at theta = 1
+    every pair turns at the same 1 rad/token and below 1 the rates grow past it with i, so
+    positions alias within a few tokens: RoPE's wavelengths 2 pi theta^(2i/d) must grow with
+    i, which is theta > 1 (Llama: 10000 or 500000). Finite, since theta = inf gives 0 for
+    every frequency but the first. A theta > 1 keeps every inv_freq in (1/theta, 1], finite.
+
+    Raises:
+      ConfigError: NaN, not finite as float32, or not above 1; one line naming `name`.
+    """
+    v32 = float32_of(name, value, "RoPE")
+    if not v32 > 1:
+        raise ConfigError(
+            f"{name}={_shown(value)} must be greater than 1 (RoPE's wavelengths "
+            "2*pi*theta^(2i/head_dim) must grow with i)"
+        )
+
+
+def check_rope_divisor(value, name: str) -> None:
+    """Check a RoPE scaling factor that frequencies are divided by (a linear or llama3
+    `factor`, llama3's `low_freq_factor` / `high_freq_factor`, a `rope_freqs` entry).
+
+    Bounds: float32(value) > 0 and 1 / float32(value) finite, i.e. value >= 2.9e-39 (1 / the
+    largest float32): RoPE divides inverse frequencies of at most 1 rad/token by it, and the
+    quotient must stay finite. (`ModelConfig` then checks the whole table, angles included.)
+
+    Raises:
+      ConfigError: NaN, not finite as float32, zero there or negative, or a reciprocal that
+        overflows float32; one line naming `name`.
+    """
+    why = "RoPE divides frequencies by it"
+    v32 = _positive_float32(name, value, "RoPE", why)
+    with np.errstate(over="ignore", divide="ignore"):
+        reciprocal = np.float32(1.0) / v32
+    if not np.isfinite(reciprocal):
+        raise ConfigError(
+            f"{name}={_shown(value)}: its reciprocal is not finite as float32 ({why})"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,16 +177,22 @@ class RopeScaling:
                 f"rope_scaling type {self.rope_type!r} is not supported "
                 f"(supported: {', '.join(ROPE_SCALING_TYPES)})"
             )
-        if not self.factor > 0:
-            raise ConfigError(f"rope_scaling factor={self.factor} must be positive")
+        check_rope_divisor(self.factor, "rope_scaling factor")
         if self.rope_type == "llama3":
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
+            # transformers' _compute_llama3_parameters (and llama.cpp's converter) divide by
+            # low_freq_factor, high_freq_factor and their difference: all nonzero in float32,
+            # the difference positive (the band between the two wavelengths is not empty).
+            check_rope_divisor(self.low_freq_factor, "rope_scaling low_freq_factor")
+            check_rope_divisor(self.high_freq_factor, "rope_scaling high_freq_factor")
+            if not np.float32(self.low_freq_factor) < np.float32(self.high_freq_factor):
                 raise ConfigError(
                     f"rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < "
-                    f"high_freq_factor ({self.high_freq_factor})"
+                    f"high_freq_factor ({self.high_freq_factor}), in float32"
                 )
             if not self.original_max_position_embeddings > 0:
                 raise ConfigError("rope_scaling original_max_position_embeddings must be positive")
+            float32_of("rope_scaling original_max_position_embeddings",
+                       self.original_max_position_embeddings, "RoPE")
         factors = tuple(float(f) for f in self.freq_factors)
         object.__setattr__(self, "freq_factors", factors)
         if self.rope_type != "freq_factors":
@@ -87,6 +208,7 @@ class RopeScaling:
                 raise ConfigError(
                     f"rope_scaling freq_factors[{i}] is {f}; each must be finite and positive"
                 )
+            check_rope_divisor(f, f"rope_scaling freq_factors[{i}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +281,8 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} is out of range (1..{MAX_DIM})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} is odd; RoPE rotates pairs")
-        if not 0 < self.norm_eps < math.inf:
-            raise ConfigError(f"norm_eps={self.norm_eps} must be positive and finite")
-        if not 0 < self.rope_theta < math.inf:
-            raise ConfigError(f"rope_theta={self.rope_theta} must be positive and finite")
+        check_norm_eps(self.norm_eps)
+        check_rope_theta(self.rope_theta)
         scaling = self.rope_scaling
         if scaling is not None and scaling.freq_factors:
             if len(scaling.freq_factors) != self.head_dim // 2:
@@ -170,6 +290,30 @@ class ModelConfig:
                     f"rope_scaling has {len(scaling.freq_factors)} freq_factors; "
                     f"head_dim={self.head_dim} rotates {self.head_dim // 2} pairs"
                 )
+        self._check_rope_angles()
+
+    def _check_rope_angles(self) -> None:
+        """Raise ConfigError unless every RoPE inverse frequency, and its angle at the last
+        position (seq_len - 1) * inv_freq, is finite in float32.
+
+        Each parameter was checked alone above; this checks what they make together, as the
+        backends compute it (`jllama.rope.rope_frequencies`), e.g. a finite factor of 1e-38
+        whose inverse frequencies times 4096 positions overflow. A few microseconds.
+        """
+        from jllama.rope import rope_frequencies  # here: jllama.rope imports this module
+
+        with np.errstate(all="ignore"):  # what overflows is reported below, not printed
+            inv_freq = rope_frequencies(self)
+            last = np.float32(self.seq_len - 1) * inv_freq
+        bad = np.flatnonzero(~np.isfinite(last) | ~(inv_freq >= 0))
+        if bad.size:
+            i, s = int(bad[0]), self.rope_scaling
+            scaled = f", {s.rope_type} scaling by {s.factor!r}" if s is not None else ""
+            raise ConfigError(
+                f"RoPE's inverse frequency of pair {i} is {float(inv_freq[i]):g} rad/token "
+                f"as float32 (rope_theta={self.rope_theta!r}{scaled}): its angle at position "
+                f"{self.seq_len - 1} is not finite"
+            )
 
     @property
     def q_dim(self) -> int:

@@ -52,14 +52,18 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     if scaling.rope_type == "freq_factors":
         divided = inv_freq / np.asarray(scaling.freq_factors, np.float32)
         return (divided / factor).astype(np.float32)
-    # llama3, in float32 as transformers computes it
+    # llama3, in float32 as transformers computes it. Warnings off: a wavelength or band edge
+    # beyond float32 (theta near 3e38, a low_freq_factor near 1e-38) is inf and compares as
+    # the formula means, and `blended` is kept only where 0 <= smooth <= 1, so what overflows
+    # elsewhere is discarded; ModelConfig checks that the table it returns is finite.
     old = np.float32(scaling.original_max_position_embeddings)
     low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
-    wavelen = np.float32(2 * np.pi) / inv_freq
-    scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq).astype(np.float32)
-    smooth = (old / wavelen - low) / (high - low)
-    blended = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    with np.errstate(all="ignore"):
+        wavelen = np.float32(2 * np.pi) / inv_freq
+        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq).astype(np.float32)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
     return np.where(medium, blended, scaled).astype(np.float32)
 
 

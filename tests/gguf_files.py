@@ -46,6 +46,7 @@ def write_gguf(
     vocab: list[str] | None = None,
     chat_template: str | None = None,
     alignment: int | None = None,
+    metadata: dict[str, tuple[str, object]] | None = None,
 ) -> Path:
     """Write `weights` as a llama-architecture GGUF with a byte-level (gpt2) vocabulary.
 
@@ -53,7 +54,9 @@ def write_gguf(
     it as (default F32; norms always F32). `drop_keys` / `drop_tensors` leave metadata keys or
     tensors out; `reshape` stores a tensor with another shape; `raw_tensors` stores bytes as
     given, with a type; `extra_tensors` adds F32 tensors; `alignment` sets
-    general.alignment (default: gguf-py's, 32).
+    general.alignment (default: gguf-py's, 32); `metadata` adds keys or replaces the written
+    ones, key -> (GGUFWriter's add_ suffix, value), e.g. {"llama.rope.freq_base":
+    ("float64", 1e300)}.
     """
     c = config
     types = types or {}
@@ -81,6 +84,7 @@ def write_gguf(
         "tokenizer.ggml.eos_token_id": ("uint32", c.vocab_size - 1),
         "tokenizer.ggml.add_bos_token": ("bool", False),
     }
+    keys.update(metadata or {})
     for key, (kind, value) in keys.items():
         if key not in drop_keys:
             getattr(w, f"add_{kind}")(key, value)

@@ -19,8 +19,13 @@ ggml's rope):
     change nothing outside YaRN and are only type-checked;
   tensor rope_freqs.weight (Llama 3.1/3.2, written by convert_hf_to_gguf.py's
     `LlamaModel.generate_extra_tensors` in place of any rope.scaling key): F32[head_dim / 2],
-    frequency i divided by rope_freqs[i], each factor finite and > 0. It makes a
-    "freq_factors" `RopeScaling` carrying the factors (and the linear factor on top, if any).
+    frequency i divided by rope_freqs[i], each factor finite and > 0 with a finite reciprocal
+    (>= 2.9e-39). It makes a "freq_factors" `RopeScaling` carrying the factors (and the linear
+    factor on top, if any).
+Float values are checked as float32, the type the forward pass computes in (a FLOAT64 key's
+1e300 is inf there): the RMS epsilon, freq_base and scaling factor by `jllama.config`'s
+`check_norm_eps`, `check_rope_theta` and `check_rope_divisor`, named by their keys. (llama.cpp
+takes these keys only as FLOAT32 and refuses a FLOAT64 one; jllama reads either.)
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from jllama.config import ModelConfig, RopeScaling
+from jllama.config import (
+    ModelConfig,
+    RopeScaling,
+    check_norm_eps,
+    check_rope_divisor,
+    check_rope_theta,
+)
 from jllama.errors import CheckpointError, ConfigError
 from jllama.formats import ggml_types
 
@@ -109,7 +120,12 @@ def config_from_metadata(
         )
     if seq_len is not None and seq_len < 1:
         raise ConfigError(f"seq_len={seq_len} must be at least 1")
+    eps_key, theta_key = p + "attention.layer_norm_rms_epsilon", p + "rope.freq_base"
+    norm_eps = _get(meta, eps_key, source, float)
+    rope_theta = _get(meta, theta_key, source, float, 10000.0)
     try:
+        check_norm_eps(norm_eps, eps_key)
+        check_rope_theta(rope_theta, theta_key)
         return ModelConfig(
             dim=dim,
             hidden_dim=_get(meta, p + "feed_forward_length", source, int),
@@ -119,8 +135,8 @@ def config_from_metadata(
             vocab_size=vocab_size,
             seq_len=min(context_length, seq_len) if seq_len else context_length,
             shared_weights=True,
-            norm_eps=_get(meta, p + "attention.layer_norm_rms_epsilon", source, float),
-            rope_theta=_get(meta, p + "rope.freq_base", source, float, 10000.0),
+            norm_eps=norm_eps,
+            rope_theta=rope_theta,
             head_dim=head_dim,
             rope_scaling=rope_scaling,
         )
@@ -167,6 +183,10 @@ def _rope_scaling(meta: Mapping[str, Any], source: str) -> RopeScaling | None:
         raise CheckpointError(f"{source}: {key}={factor} must be finite and not negative")
     if kind == "none" or factor in (0.0, 1.0):  # llama.cpp: factor 0 means freq_scale 1
         return None
+    try:
+        check_rope_divisor(factor, key)  # e.g. 1e-300: not 0 above, but 0 in float32
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
     return RopeScaling("linear", factor)
 
 
@@ -180,8 +200,10 @@ def with_rope_freqs(config: ModelConfig, tensor, source: str) -> ModelConfig:
       source: the file, for error messages.
 
     Raises:
-      CheckpointError: not F32, not head_dim / 2 values, or a factor that is not finite and
-        positive; one line naming the tensor.
+      CheckpointError: not F32, not head_dim / 2 values, a factor that is not finite and
+        positive or whose reciprocal is not finite in float32 (RoPE divides by it: 1e-45
+        makes inf), or factors that make a RoPE angle overflow within the context; one line
+        naming the tensor.
     """
     what = f"{source}: tensor {ROPE_FREQS!r}"
     type_id = int(tensor.tensor_type)
@@ -203,6 +225,18 @@ def with_rope_freqs(config: ModelConfig, tensor, source: str) -> ModelConfig:
             f"{what}: factor [{int(bad[0])}] is {float(factors[bad[0]])}; RoPE factors must be "
             "finite and positive"
         )
+    with np.errstate(divide="ignore", over="ignore"):
+        reciprocal = np.float32(1.0) / factors
+    bad = np.flatnonzero(~np.isfinite(reciprocal))
+    if bad.size:
+        i = int(bad[0])
+        raise CheckpointError(
+            f"{what}: factor [{i}] is {float(factors[i]):g}; its reciprocal is not finite as "
+            f"float32 (RoPE divides frequency {i} by it)"
+        )
     linear = config.rope_scaling.factor if config.rope_scaling is not None else 1.0
-    scaling = RopeScaling("freq_factors", linear, freq_factors=tuple(factors.tolist()))
-    return dataclasses.replace(config, rope_scaling=scaling)
+    try:
+        scaling = RopeScaling("freq_factors", linear, freq_factors=tuple(factors.tolist()))
+        return dataclasses.replace(config, rope_scaling=scaling)
+    except ConfigError as e:  # the angles over the context (ModelConfig's last check)
+        raise CheckpointError(f"{what}: {e}") from None

@@ -15,6 +15,9 @@ config.json keys read (transformers' `LlamaConfig`; defaults are LlamaConfig's):
   max_position_embeddings, as transformers' `standardize_rope_params`). rope_theta comes from
   the RoPE dict when it has one, else the top level, else 10000. Any other type ("yarn",
   "dynamic", "longrope", ...) and partial rotary embeddings are refused.
+Float values are checked as float32, the type the forward pass computes in (JSON's 1e300 is
+inf there), by `jllama.config`'s `check_norm_eps`, `check_rope_theta` and `check_rope_divisor`,
+each message naming the key as config.json spells it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jllama.config import ModelConfig, RopeScaling
+from jllama.config import (
+    ModelConfig,
+    RopeScaling,
+    check_norm_eps,
+    check_rope_divisor,
+    check_rope_theta,
+)
 from jllama.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
@@ -49,7 +58,8 @@ def _get(
     where: str = "config.json",
 ):
     """cfg[key] checked to be of `kind`; `default` when absent or null (required if none).
-    `where` names the object in messages."""
+    `where` names the object in messages. CheckpointError for a missing key or a wrong type,
+    ConfigError for an int too large to be a float."""
     value = cfg.get(key)
     if value is None:
         if default is ...:
@@ -66,7 +76,13 @@ def _get(
         raise CheckpointError(
             f"{source}: {where} {key!r} is {value!r}, not {article} {kind.__name__}"
         )
-    return kind(value)
+    try:
+        return kind(value)
+    except OverflowError:  # JSON's 10^400 as a float: beyond float64, so beyond float32 too
+        raise ConfigError(
+            f"{source}: {where} {key!r} is an integer of {len(str(abs(value)))} digits, not "
+            "finite as float32"
+        ) from None
 
 
 def _check_llama(cfg: Mapping[str, Any], source: str) -> None:
@@ -103,8 +119,14 @@ def _rope_settings(
         )
     where = "config.json " + ("rope_scaling" if cfg.get("rope_scaling") else "rope_parameters")
     theta = _get(rope, "rope_theta", source, float, None, where)
+    theta_name = f"{where} rope_theta"
     if theta is None:
         theta = _get(cfg, "rope_theta", source, float, 10000.0)
+        theta_name = "config.json rope_theta"
+    try:
+        check_rope_theta(theta, theta_name)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
     partial = _get(rope, "partial_rotary_factor", source, float, None, where)
     if partial is None:
         partial = _get(cfg, "partial_rotary_factor", source, float, 1.0)
@@ -121,14 +143,17 @@ def _rope_settings(
             "(supported: default, linear, llama3)"
         )
     try:
+        values = {}
+        names = ("factor",) if rope_type == "linear" else (
+            "factor", "low_freq_factor", "high_freq_factor")
+        for name in names:  # checked here too, so the message names the key as written
+            values[name] = _get(rope, name, source, float, where=where)
+            check_rope_divisor(values[name], f"{where} {name}")
         if rope_type == "linear":
-            factor = _get(rope, "factor", source, float, where=where)
-            return theta, RopeScaling("linear", factor=factor)
+            return theta, RopeScaling("linear", **values)
         scaling = RopeScaling(
             "llama3",
-            factor=_get(rope, "factor", source, float, where=where),
-            low_freq_factor=_get(rope, "low_freq_factor", source, float, where=where),
-            high_freq_factor=_get(rope, "high_freq_factor", source, float, where=where),
+            **values,
             original_max_position_embeddings=_get(
                 rope, "original_max_position_embeddings", source, int, max_positions, where
             ),
@@ -173,7 +198,9 @@ def config_from_hf(
     n_heads = _get(cfg, "num_attention_heads", source, int)
     max_positions = context_length(cfg, source)
     rope_theta, rope_scaling = _rope_settings(cfg, source, max_positions)
+    norm_eps = _get(cfg, "rms_norm_eps", source, float, 1e-6)
     try:
+        check_norm_eps(norm_eps, "config.json rms_norm_eps")
         return ModelConfig(
             dim=_get(cfg, "hidden_size", source, int),
             hidden_dim=_get(cfg, "intermediate_size", source, int),
@@ -183,7 +210,7 @@ def config_from_hf(
             vocab_size=_get(cfg, "vocab_size", source, int),
             seq_len=min(max_positions, seq_len) if seq_len else max_positions,
             shared_weights=_get(cfg, "tie_word_embeddings", source, bool, False),
-            norm_eps=_get(cfg, "rms_norm_eps", source, float, 1e-6),
+            norm_eps=norm_eps,
             rope_theta=rope_theta,
             head_dim=_get(cfg, "head_dim", source, int, 0),
             rope_scaling=rope_scaling,

@@ -154,6 +154,38 @@ def _versioned_header(what: str, raw: bytes) -> CheckpointHeader:
     )
 
 
+MAX_GROUP_SCALE = float(np.finfo(np.float32).max) / 128
+"""The largest |scale| of a version-2 group whose every value `q * scale` (q an int8, so
+|q| <= 128) is finite in float32: 3.4028235e38 / 128 = 2.66e36, exactly a float32 (a power of
+two apart). export.py writes max|w| / 127, so a real file's scales are far below it."""
+
+
+def _check_group_scales(scales: np.ndarray, path: Path, segment) -> None:
+    """Raise CheckpointError unless every version-2 group scale of `segment` is finite with
+    |scale| <= MAX_GROUP_SCALE, so dequantizing (runq.c's `q[i] * s[i // group_size]`, in
+    float32) gives finite weights and NumPy no overflow warning.
+
+    Vectorized: a min and a max over f32[n / group_size] (NaN propagates through both), a
+    1/16 of the int8 bytes that dequantizing reads anyway at group size 64; the place of a bad
+    scale is looked up only when there is one.
+    """
+    if not scales.size:
+        return
+    low, high = scales.min(), scales.max()
+    if -MAX_GROUP_SCALE <= low and high <= MAX_GROUP_SCALE:
+        return
+    bad = np.flatnonzero(~(np.abs(scales) <= MAX_GROUP_SCALE))
+    i = int(bad[0])
+    name = segment.name if segment.layer is None else f"{segment.name}[{segment.layer}]"
+    value = float(scales[i])
+    why = ("a weight's scale must be finite" if not np.isfinite(value) else
+           f"times an int8 (up to 128) it is not finite as float32; |scale| must be at most "
+           f"{MAX_GROUP_SCALE:.6g}")
+    raise CheckpointError(
+        f"checkpoint {path}: version-2 tensor {name}: group scale [{i}] is {value:g}; {why}"
+    )
+
+
 def read_header(path: str | os.PathLike) -> ModelConfig:
     """The `ModelConfig` of a llama2.c checkpoint of any version (`read_checkpoint_header`'s
     config: shared_weights from the header, norm_eps and rope_theta llama2.c's fixed 1e-5 and
@@ -176,8 +208,10 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TransformerWe
 
     Raises:
       CheckpointError: missing file, bad header or unknown version (see
-        `read_checkpoint_header`), or a file size different from what the header implies
-        (truncated or with trailing bytes), naming the file, its version and both sizes.
+        `read_checkpoint_header`), a file size different from what the header implies
+        (truncated or with trailing bytes), naming the file, its version and both sizes, or
+        (version 2) a group scale that is NaN, infinite or too large for its values to be
+        finite in float32 (`MAX_GROUP_SCALE`), naming the tensor and the group.
     """
     path = Path(path)
     header = read_checkpoint_header(path)
@@ -207,6 +241,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TransformerWe
         else:
             q = np.frombuffer(mapped, dtype=Q8, count=n, offset=offset)
             s = np.frombuffer(mapped, dtype=FLOAT, count=n // group_size, offset=offset + n)
+            _check_group_scales(s, path, segment)
             values = dequantize_q80(q, s, group_size).reshape(segment.shape)
             if segment.layer is None:
                 arrays[segment.name] = values
