@@ -497,11 +497,11 @@ def test_template_fields_must_be_strings():
     "source, needle",
     [
         ("{% for x in range(99999) %}{% for y in range(99999) %}{% endfor %}{% endfor %}",
-         "loop steps"),
+         "took more than"),
         ("{{ 'x' * 10**10 }}", "refused"),
         ("{{ 'x' * 100000000 }}", "refused"),
         ("{{ [1] * 100000000 }}", "refused"),
-        ("{{ 7 ** 100000000 }}", "too large"),
+        ("{{ 7 ** 100000000 }}", "a value of"),
     ],
 )
 def test_hostile_templates_are_refused_quickly(source, needle):

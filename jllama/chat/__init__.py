@@ -7,9 +7,10 @@ package renders such a template the way Hugging Face transformers' `apply_chat_t
 so the prompt text is the one the model was trained on. One module per job:
 
 - `messages`: `Message`, `ROLES` and `check_messages`, the conversation a template reads;
-- `sandbox`: the sandboxed Jinja environment, the helpers templates call (`raise_exception`,
-  `strftime_now`, `tojson`, `{% generation %}`) and the limits (`MAX_TEMPLATE_STEPS`,
-  `MAX_TEMPLATE_VALUE`);
+- `sandbox`: the sandboxed Jinja environment and the helpers templates call (`raise_exception`,
+  `strftime_now`, `tojson`, `{% generation %}`); its limits: `limits` (the size of what a
+  step makes, computed before it runs), `bounded` (the sandbox hooks that check them) and
+  `watchdog` (time and memory, watched from another thread);
 - `template`: `ChatTemplate` (`render`, `render_segments`, and `for_tokenizer`, which fills
   `bos_token` / `eos_token` from the model's tokenizer) and the built-in templates
   `DEFAULT_CHATML` and `LLAMA3_CHAT_TEMPLATE`;
@@ -24,11 +25,17 @@ newline at the very end of the template is dropped.
 
 Every failure is a one-line `jllama.errors.ChatError`: a template that does not compile (with
 its line number), one that fails as it renders (its line number, or the message it gave
-`raise_exception`), and a malformed message list.
+`raise_exception`), one past a limit (named), and a malformed message list.
 """
 
 from jllama.chat.messages import ROLES, Message, check_messages
-from jllama.chat.sandbox import MAX_TEMPLATE_STEPS, MAX_TEMPLATE_VALUE
+from jllama.chat.sandbox import (
+    MAX_TEMPLATE_GROWTH,
+    MAX_TEMPLATE_OUTPUT,
+    MAX_TEMPLATE_SECONDS,
+    MAX_TEMPLATE_SOURCE,
+    MAX_TEMPLATE_VALUE,
+)
 from jllama.chat.template import (
     DEFAULT_CHATML,
     LLAMA3_CHAT_TEMPLATE,
@@ -39,7 +46,10 @@ from jllama.chat.template import (
 __all__ = [
     "DEFAULT_CHATML",
     "LLAMA3_CHAT_TEMPLATE",
-    "MAX_TEMPLATE_STEPS",
+    "MAX_TEMPLATE_GROWTH",
+    "MAX_TEMPLATE_OUTPUT",
+    "MAX_TEMPLATE_SECONDS",
+    "MAX_TEMPLATE_SOURCE",
     "MAX_TEMPLATE_VALUE",
     "ROLES",
     "ChatTemplate",

@@ -10,9 +10,12 @@ here, the way Hugging Face transformers' `apply_chat_template` does, and nowhere
   a `tojson` filter that does not escape HTML (`json.dumps(..., ensure_ascii=False)`, keys in
   their given order), and a `{% generation %}...{% endgeneration %}` block that renders its
   body unchanged (transformers uses it to mark assistant text for training masks);
-- limits transformers does not have, so a template cannot hang the program or take all its
-  memory: `MAX_TEMPLATE_STEPS` loop steps over `range` per rendering, and `*` / `**` refused
-  where they would build values over `MAX_TEMPLATE_VALUE`.
+- limits transformers does not have, so a template cannot hang the program, take all its
+  memory or crash it: `MAX_TEMPLATE_SECONDS` and `MAX_TEMPLATE_GROWTH` watched from outside
+  (`jllama.chat.watchdog`), each step that could make a huge value at once sized before it
+  runs (`MAX_TEMPLATE_VALUE`, `MAX_TEMPLATE_OUTPUT`; `jllama.chat.limits`, checked in
+  `jllama.chat.bounded`'s hooks), recursion ended at Python's limit, and the text bounded
+  (`MAX_TEMPLATE_SOURCE`) with nesting too deep for the parser or Python's compiler an error.
 
 Every failure is a one-line `jllama.errors.ChatError` starting "chat template: ": a template
 that does not compile (with its line number), one that fails as it renders (its line number,
@@ -21,7 +24,6 @@ or the message it gave `raise_exception`), a limit reached.
 
 from __future__ import annotations
 
-import contextvars
 import datetime
 import json
 from collections.abc import Mapping
@@ -31,14 +33,13 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from jllama.chat import limits
+from jllama.chat.bounded import bound_filters, bounded_environment
+from jllama.chat.limits import MAX_TEMPLATE_OUTPUT, MAX_TEMPLATE_SOURCE, MAX_TEMPLATE_VALUE
+from jllama.chat.watchdog import MAX_TEMPLATE_GROWTH, MAX_TEMPLATE_SECONDS, Stopped
+from jllama.chat.watchdog import start as start_watch
+from jllama.chat.watchdog import stop as stop_watch
 from jllama.errors import ChatError
-
-MAX_TEMPLATE_STEPS = 1_000_000
-"""Loop iterations over `range` one rendering may take: a template from a model file must not
-hang the program (`{% for x in range(99999) %}{% for y in range(99999) %}`)."""
-
-MAX_TEMPLATE_VALUE = 1 << 22
-"""The longest string or list `*` may make in a template, and the largest `**` result bits."""
 
 
 def one_line(text: str) -> str:
@@ -70,11 +71,29 @@ def _tojson(
     """The `tojson` filter as transformers defines it: plain `json.dumps`, no HTML escaping.
 
     Jinja's built-in `tojson` escapes `<`, `>`, `&` and `'` for HTML and sorts keys; a prompt
-    wants neither. The arguments are `json.dumps`'s.
+    wants neither. The arguments are `json.dumps`'s, and the text is the same, refused past
+    `MAX_TEMPLATE_VALUE` characters (a list holding one string many times is small to make and
+    huge to write): sized before `json.dumps` writes it, or, with an `indent` (where json's
+    Python encoder writes it piece by piece anyway), as it is written. `indent` is at most
+    `MAX_JSON_INDENT`.
     """
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+    if width > MAX_JSON_INDENT:
+        raise ChatError(f"chat template: tojson indent of {width} (refused; the limit is "
+                        f"{MAX_JSON_INDENT})")
+    if indent is None:
+        # json.dumps's C encoder writes the whole text in one call: size it first.
+        limits.check_size(limits.text_size(value))
+        return json.dumps(value, ensure_ascii=ensure_ascii, separators=separators,
+                          sort_keys=sort_keys)
+    encoder = json.JSONEncoder(
+        ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+    return limits.join_bounded(encoder.iterencode(value), limits.MAX_TEMPLATE_VALUE)
+
+
+MAX_JSON_INDENT = 64
+"""The widest `tojson` indent (each nesting level writes it again on every line)."""
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -92,64 +111,19 @@ class _GenerationBlock(jinja2.ext.Extension):
 
 
 # --------------------------------------------------------------------------------------------
-# The limits.
-
-_steps_left: contextvars.ContextVar[list[int]] = contextvars.ContextVar("_steps_left")
-
-
-class _BoundedRange:
-    """`range(...)` for templates: at most jinja's MAX_RANGE items, and every item drawn counts
-    against the rendering's MAX_TEMPLATE_STEPS."""
-
-    def __init__(self, *args: int):
-        self._range = jinja2.sandbox.safe_range(*args)
-
-    def __len__(self) -> int:
-        return len(self._range)
-
-    def __iter__(self):
-        budget = _steps_left.get(None)
-        for item in self._range:
-            if budget is not None:
-                budget[0] -= 1
-                if budget[0] < 0:
-                    raise ChatError(
-                        f"chat template: more than {MAX_TEMPLATE_STEPS} loop steps (refused)"
-                    )
-            yield item
-
-
-class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The sandbox, with `*` and `**` refused where they would build huge values
-    (`{{ 'x' * 10**10 }}` would otherwise take all memory and time)."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context, operator, left, right):
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
-                    if len(seq) * max(n, 0) > MAX_TEMPLATE_VALUE:
-                        raise ChatError(
-                            f"chat template: a value of {len(seq) * n} items (refused; the "
-                            f"limit is {MAX_TEMPLATE_VALUE})"
-                        )
-        elif operator == "**" and isinstance(left, int) and isinstance(right, int):
-            if right > 0 and abs(left) > 1 and abs(left).bit_length() * right > MAX_TEMPLATE_VALUE:
-                raise ChatError(f"chat template: {left} ** {right} is too large (refused)")
-        return super().call_binop(context, operator, left, right)
+# The environment.
 
 
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = _BoundedEnvironment(
+    env = bounded_environment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
     )
-    env.globals["range"] = _BoundedRange
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
+    bound_filters(env)
     return env
 
 
@@ -199,13 +173,25 @@ def compile_template(source: str) -> jinja2.Template:
       The compiled template (thread-safe; render it with `render_template`).
 
     Raises:
-      ChatError: the text does not compile ("chat template: line N: ...").
+      ChatError: the text does not compile ("chat template: line N: ..."), is longer than
+        `MAX_TEMPLATE_SOURCE`, or nests too deeply for the parser.
     """
+    if len(source) > limits.MAX_TEMPLATE_SOURCE:
+        raise ChatError(f"chat template: {len(source)} characters long (refused; the limit is "
+                        f"{limits.MAX_TEMPLATE_SOURCE})")
     try:
         return _ENV.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatError(
             f"chat template: line {exc.lineno}: {one_line(exc.message or 'syntax error')}"
+        ) from None
+    except (RecursionError, SyntaxError, MemoryError) as exc:
+        # Jinja's parser recurses a few frames a nesting level; the Python it generates nests
+        # one indentation level a block (Python allows 100): 5,000 nested parentheses or 3,000
+        # nested ifs end here, not in a crash.
+        raise ChatError(
+            f"chat template: nested too deeply to compile ({type(exc).__name__}: "
+            f"{one_line(str(exc))})"
         ) from None
 
 
@@ -221,12 +207,17 @@ def render_template(compiled: jinja2.Template, variables: Mapping[str, Any]) -> 
 
     Raises:
       ChatError: the template fails as it renders (a call of `raise_exception`, a forbidden
-        attribute, an error in an expression, a limit reached, memory exhausted), with the
-        template line where known.
+        attribute, an error in an expression, recursion past Python's limit, a limit reached,
+        memory exhausted), with the template line where known.
     """
-    token = _steps_left.set([MAX_TEMPLATE_STEPS])
+    watch = start_watch()
     try:
-        return compiled.render(variables)
+        try:
+            return compiled.render(variables)
+        finally:
+            stop_watch(watch)
+    except Stopped:
+        raise ChatError(f"chat template: {watch.reason or 'stopped'} (refused)") from None
     except ChatError:
         raise
     except MemoryError:
@@ -236,5 +227,3 @@ def render_template(compiled: jinja2.Template, variables: Mapping[str, Any]) -> 
         where = f"line {line}: " if line is not None else ""
         detail = one_line(str(exc)) or type(exc).__name__
         raise ChatError(f"chat template: {where}{detail}") from None
-    finally:
-        _steps_left.reset(token)
