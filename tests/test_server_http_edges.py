@@ -142,6 +142,17 @@ def test_a_trailing_slash_with_a_query_string(server):
     assert status == 200 and json.loads(body)["status"] == "ok" and seconds < ANSWER_S
 
 
+@pytest.mark.parametrize("path, status", [("/health", 200), ("/health/", 200),
+                                          ("/v1/models", 200), ("/metrics", 200),
+                                          ("/v1/completions", 405)])
+def test_head_is_answered_where_get_is(server, path, status):
+    """HEAD gets GET's status and headers without the body (it was a 405 on every route)."""
+    reply = httpx.head(server.url + path, timeout=30)
+    assert reply.status_code == status and reply.content == b""
+    if status == 200:
+        assert int(reply.headers["content-length"]) > 0
+
+
 # --------------------------------------------------------------------------------------------
 # Declared lengths: over the limit is a 413 before any body byte is read.
 
@@ -252,6 +263,21 @@ def test_a_bad_chunk_is_a_400(server, chunks):
     assert status == 400 and assert_error(body, "bad_http_request"), body
     assert seconds < ANSWER_S
     still_serves(server)
+
+
+@pytest.mark.parametrize("method, path", [("GET", b"/health"), ("POST", b"/v1/completions"),
+                                          ("POST", b"/v1/nothing")])
+def test_bad_chunks_behind_a_head_are_one_400_and_no_traceback(server, method, path, caplog):
+    """Head and bad chunk in one packet: the app starts on the head and answers, after the
+    protocol's 400 closed the connection; that answer was h11's LocalProtocolError ("can't
+    handle event type Response when role=SERVER and state=MUST_CLOSE"), an "Exception in
+    ASGI application" traceback in the log (found by bench/fuzz.py --kinds=http)."""
+    data = (method.encode() + b" " + path + b" HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+    status, _, body, seconds = exchange(server, data)
+    assert status == 400 and assert_error(body, "bad_http_request") and seconds < ANSWER_S
+    still_serves(server)
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
 def test_bad_framing_after_an_early_answer_closes_quietly(server, capfd, caplog):

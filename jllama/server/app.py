@@ -122,10 +122,16 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"
         ))
 
+    def get(path: str):
+        """A GET route that answers HEAD too (its headers, no body): HTTP requires both of a
+        general-purpose server, and uptime checks (`curl -I`) send HEAD; FastAPI's `app.get`
+        routes GET alone (HEAD was a 405)."""
+        return app.api_route(path, methods=["GET", "HEAD"])
+
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "jllama"}
 
-    @app.get("/health")
+    @get("/health")
     async def health():
         return {
             "status": "ok", "model": model_id, "requests_running": engine.running,
@@ -133,15 +139,15 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             "requests_cancelled": engine.cancelled,
         }
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics():
         return Response(engine.metrics.exposition(), media_type=engine.metrics.content_type)
 
-    @app.get("/v1/models")
+    @get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{name:path}")
+    @get("/v1/models/{name:path}")
     async def one_model(name: str):
         if name != model_id:
             raise _unknown_model(name)

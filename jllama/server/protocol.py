@@ -77,6 +77,13 @@ def timed_protocol(head_timeout_s: float = HEAD_TIMEOUT_S) -> type[H11Protocol]:
                 self._head_timer = None
 
         def send_400_response(self, msg: str) -> None:
+            if self.cycle is not None and not self.cycle.response_complete:
+                # The request whose body broke the framing has an app task running (it started
+                # on the head): it ends as its client had gone (its sends are dropped, its
+                # receive says disconnect), as connection_lost would make it, since its answer
+                # after this 400 would be an h11 error and a traceback in the log.
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
             if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
                 # The request was answered already (an early 413) and the bytes h11 cannot
                 # parse are the rest of its body: a second response cannot follow (h11 would
