@@ -9,6 +9,7 @@ summary line; failing inputs are kept in --out so they can be replayed.
   .venv/bin/python bench/fuzz.py --cases=300                     # a fresh seed, every reader
   .venv/bin/python bench/fuzz.py --cases=2000 --seed=7 --jobs=2 --out=fuzz-failures
   .venv/bin/python bench/fuzz.py --kinds=gguf,hf --cases=100
+  .venv/bin/python bench/fuzz.py --kinds=http --cases=500        # the server's HTTP edges
   .venv/bin/python bench/fuzz.py --replay=fuzz-failures/0042-gguf  # one kept case again
   .venv/bin/python bench/fuzz.py --mode=cli --cases=20           # `python -m jllama` per case
 
@@ -70,6 +71,16 @@ A posix_spawn child (cli mode) starts from its parent's resident pages, so there
 Cases run `--backend=numpy` (no compile) with a short prompt and a few greedy steps: what is
 under test is reading the files, which is the same for every backend.
 
+HTTP (kind "http", bench/fuzz_http.py and fuzz_http_cases.py): one `jllama serve` on the gguf
+seed for the run, and cases that each send raw bytes over a fresh TCP connection: crafted framing
+(huge, negative and duplicate Content-Length, bad chunks, 1 MB header lines, 10,000 headers,
+bodies that never arrive, slow senders, wrong Content-Types and encodings, trailing slashes,
+JSON nested 10^5 deep, 5,000-digit numbers, pipelining) and random damage of valid requests.
+Outcomes "clean" or "failure" (rules in fuzz_http's docstring: answered within 5 s with a 2xx
+or a 4xx holding OpenAI's error object, and the server healthy, under the RSS limit and with no
+traceback in its log after each case). In a run of several kinds it takes 1/len(kinds) of
+--cases; its failures are kept as request.bin and case.json, and --replay runs one again.
+
 This file is the command line and the run; the rest is in its siblings: fuzz_seeds.py (the seed
 files and their byte maps), fuzz_mutations.py (random damage), fuzz_lies.py (the crafted lies),
 fuzz_plan.py (the cases of a run), fuzz_runner.py (a case's process and its limits),
@@ -89,13 +100,18 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from fuzz_outcomes import SEED_REGIONS  # bench/ is the script's folder
+from fuzz_http import keep as keep_http  # bench/ is the script's folder
+from fuzz_http import replay as replay_http
+from fuzz_http import run_http
+from fuzz_outcomes import SEED_REGIONS
 from fuzz_plan import plan
 from fuzz_replay import keep, replay
 from fuzz_runner import (
     RSS_LIMIT_MB, SETUP_LIMITS, TIME_LIMIT_S, Limits, Running, preload, rss_kib, run_all,
     seed_peak_kib)
 from fuzz_seeds import KINDS, make_seeds
+
+ALL_KINDS = KINDS + ("http",)
 
 
 def summarize(results: list[dict], **extra) -> dict:
@@ -114,43 +130,71 @@ def summarize(results: list[dict], **extra) -> dict:
             "max_peak_rss_mb": max((r["peak_rss_mb"] for r in results), default=0)}
 
 
-def fuzz(n: int, seed: int, kinds: tuple[str, ...] = KINDS, mode: str = "fork", jobs: int = 1,
-         limits: Limits | None = None, out: Path | None = None,
+def fuzz(n: int, seed: int, kinds: tuple[str, ...] = ALL_KINDS, mode: str = "fork",
+         jobs: int = 1, limits: Limits | None = None, out: Path | None = None,
          on_result: Callable[[dict], None] | None = None) -> tuple[list[dict], dict]:
     """Run `n` cases drawn with `seed`; returns (results in case order, the summary line).
     Failing inputs are copied into `out` when given."""
     limits = limits or Limits()
     began = time.monotonic()
+    file_kinds = tuple(k for k in kinds if k != "http")
+    n_http = 0 if "http" not in kinds else n // len(kinds) if file_kinds else n
+    results, offset, parent_mb, extra = [], 0, rss_kib() / 1024, {}
     with tempfile.TemporaryDirectory(prefix="jllama-fuzz-") as tmp:
         root = Path(tmp)
         seeds = make_seeds(root / "seeds")
         for s in seeds.values():
             SEED_REGIONS[s.name] = s.regions
-        cases = plan(seeds, n, seed, kinds)
-        offset = 0
-        if mode == "fork":
-            first = seeds[cases[0].seed]
-            cli_peak = seed_peak_kib(first, root / "calibrate", "cli", SETUP_LIMITS)
-            used = [seeds[name] for name in dict.fromkeys(c.seed for c in cases)]
-            preload(used, root / "preload", SETUP_LIMITS)
-            fork_peak = seed_peak_kib(first, root / "calibrate", "fork", SETUP_LIMITS)
-            offset = max(0, cli_peak - fork_peak)
-        parent_mb = rss_kib() / 1024
+        if file_kinds:
+            results, offset, parent_mb = _fuzz_files(
+                n - n_http, seed, file_kinds, seeds, root, mode, jobs, limits, out, on_result)
+        if n_http:
+            checkpoint = root / "http" / "model.gguf"
+            checkpoint.parent.mkdir()
+            checkpoint.write_bytes(seeds["gguf"].files["model.gguf"])
 
-        def done(result: dict, r: Running) -> None:
-            if result["outcome"] == "failure" and out is not None:
-                result["replay"] = str(keep(result, r, seeds, out))
-            shutil.rmtree(r.folder, ignore_errors=True)
-            if on_result:
-                on_result(result)
+            def done_http(result: dict, case) -> None:
+                if result["outcome"] == "failure" and out is not None:
+                    result["replay"] = str(keep_http(result, case, out))
+                if on_result:
+                    on_result(result)
 
-        results = run_all(cases, seeds, root / "cases", mode, jobs, limits, done, offset)
+            more, extra = run_http(n_http, seed, checkpoint, root / "http", limits.seconds,
+                                   limits.rss_mb, len(results), done_http)
+            results += more
     summary = summarize(results, seed=seed, kinds=",".join(kinds), mode=mode, jobs=jobs,
                         seconds=round(time.monotonic() - began, 1),
                         parent_rss_mb=round(parent_mb, 1),
                         rss_offset_mb=round(offset / 1024, 1),
-                        limits={"seconds": limits.seconds, "rss_mb": limits.rss_mb})
+                        limits={"seconds": limits.seconds, "rss_mb": limits.rss_mb}, **extra)
     return results, summary
+
+
+def _fuzz_files(n: int, seed: int, kinds: tuple[str, ...], seeds: dict, root: Path, mode: str,
+                jobs: int, limits: Limits, out: Path | None,
+                on_result: Callable[[dict], None] | None) -> tuple[list[dict], int, float]:
+    """The file readers' cases: (results, the fork's RSS offset in KiB, this process's RSS
+    in MB once it is ready to fork)."""
+    cases = plan(seeds, n, seed, kinds)
+    offset = 0
+    if mode == "fork":
+        first = seeds[cases[0].seed]
+        cli_peak = seed_peak_kib(first, root / "calibrate", "cli", SETUP_LIMITS)
+        used = [seeds[name] for name in dict.fromkeys(c.seed for c in cases)]
+        preload(used, root / "preload", SETUP_LIMITS)
+        fork_peak = seed_peak_kib(first, root / "calibrate", "fork", SETUP_LIMITS)
+        offset = max(0, cli_peak - fork_peak)
+    parent_mb = rss_kib() / 1024
+
+    def done(result: dict, r: Running) -> None:
+        if result["outcome"] == "failure" and out is not None:
+            result["replay"] = str(keep(result, r, seeds, out))
+        shutil.rmtree(r.folder, ignore_errors=True)
+        if on_result:
+            on_result(result)
+
+    results = run_all(cases, seeds, root / "cases", mode, jobs, limits, done, offset)
+    return results, offset, parent_mb
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=300, help="how many inputs (default 300)")
     parser.add_argument("--seed", type=int, default=None,
                         help="random seed (default: a fresh one, printed in the summary)")
-    parser.add_argument("--kinds", default=",".join(KINDS),
-                        help=f"readers to fuzz, comma-separated (default {','.join(KINDS)})")
+    parser.add_argument("--kinds", default=",".join(ALL_KINDS),
+                        help="readers to fuzz, and http for the server, comma-separated "
+                        f"(default {','.join(ALL_KINDS)})")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder to keep failing inputs in, each with case.json")
     parser.add_argument("--mode", choices=("fork", "cli"), default=None,
@@ -178,14 +223,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="print only the failures and the summary")
     args = parser.parse_args(argv)
     limits = Limits(args.time_limit, args.rss_limit)
+    if args.replay is not None and (args.replay / "request.bin").is_file():
+        with tempfile.TemporaryDirectory(prefix="jllama-replay-") as tmp:
+            checkpoint = Path(tmp) / "model.gguf"
+            checkpoint.write_bytes(make_seeds(Path(tmp))["gguf"].files["model.gguf"])
+            result = replay_http(args.replay, checkpoint, limits.seconds, limits.rss_mb)
+        print(json.dumps(result, ensure_ascii=False), flush=True)
+        return 1 if result["outcome"] == "failure" else 0
     if args.replay is not None:
         result = replay(args.replay, args.mode or "cli", limits)
         print(json.dumps(result, ensure_ascii=False), flush=True)
         return 1 if result["outcome"] == "failure" else 0
     kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = [k for k in kinds if k not in KINDS]
+    unknown = [k for k in kinds if k not in ALL_KINDS]
     if unknown or not kinds:
-        parser.error(f"--kinds: unknown {unknown} (known: {', '.join(KINDS)})")
+        parser.error(f"--kinds: unknown {unknown} (known: {', '.join(ALL_KINDS)})")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

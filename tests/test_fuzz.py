@@ -7,6 +7,10 @@ CASES inputs, each through the `jllama` command line in a forked child under 10 
 of peak RSS. None may fail. The harness runs in a process of its own: it forks, which is
 safe only in a process where JAX has not started a backend (other tests here start them).
 A long run by hand: `.venv/bin/python bench/fuzz.py --cases=2000 --out=fuzz-failures`.
+
+And one run of its HTTP class (issue 33): HTTP_CASES raw-byte cases against one `jllama serve`
+on the GGUF seed, every crafted one (framing, sizes, content types, slashes, deep JSON,
+pipelining, slow senders) and random damage after them; about 8 s.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 FUZZ = BENCH / "fuzz.py"
 SEED = 21
 CASES = 300
+FILE_KINDS = "gguf,llama2c,tokenizer_bin,hf"
+HTTP_CASES = 150
 
 
 def run_fuzz(*flags: str, timeout: float = 240) -> tuple[list[dict], dict]:
@@ -35,7 +41,12 @@ def run_fuzz(*flags: str, timeout: float = 240) -> tuple[list[dict], dict]:
 
 @pytest.fixture(scope="module")
 def ci_run():
-    return run_fuzz(f"--cases={CASES}", f"--seed={SEED}", "--jobs=2")
+    return run_fuzz(f"--cases={CASES}", f"--seed={SEED}", "--jobs=2", f"--kinds={FILE_KINDS}")
+
+
+@pytest.fixture(scope="module")
+def http_run():
+    return run_fuzz(f"--cases={HTTP_CASES}", f"--seed={SEED}", "--kinds=http", timeout=180)
 
 
 def test_no_input_fails(ci_run):
@@ -90,9 +101,42 @@ def test_the_plan_is_deterministic(tmp_path):
 @pytest.mark.parametrize("flags, reason", [
     (["--time_limit=0.001"], "timeout"),
     (["--rss_limit=20"], "peak RSS"),
+    (["--rss_limit=20", "--kinds=http"], "peak RSS"),  # the server's, after the case
 ])
 def test_the_limits_are_enforced(flags, reason):
     # The seed itself, under limits it cannot meet: the harness must call it a failure.
     results, summary = run_fuzz("--cases=1", "--kinds=gguf", "--seed=0", *flags, timeout=120)
     assert [r["outcome"] for r in results] == ["failure"]
     assert results[0]["reason"].startswith(reason), results[0]
+
+
+def test_no_http_case_fails(http_run):
+    results, summary = http_run
+    failures = [r for r in results if r["outcome"] == "failure"]
+    assert not failures, f"{len(failures)} of {summary['cases']} HTTP cases failed:\n" + "\n".join(
+        f"  {r['mutation']}: {r['reason']} ({r['seconds']} s; {r['stderr'][:200]})"
+        for r in failures)
+
+
+def test_the_http_run_covers_the_edges(http_run):
+    results, summary = http_run
+    assert summary["cases"] == HTTP_CASES and set(summary["counts"]) == {"http", "all"}
+    by_name = {r["mutation"]: r for r in results}
+    for name, status in (("http.trailing_slash[POST /v1/completions/]", 200),
+                         ("http.trailing_slash[GET /health/]", 200),
+                         ("http.content_length[2^64, no body]", 413),
+                         ("http.content_length[10485760, no body]", 413),
+                         ("http.content_length['-1']", 400),
+                         ("http.chunked[over the limit, open]", 413),
+                         ("http.header[a line of 1 MB]", 400),
+                         ("http.header[10,000 lines]", 400),
+                         ("http.content_type['text/plain']", 415),
+                         ("http.content_type['application/x-www-form-urlencoded']", 200),
+                         ("http.encoding[utf-16]", 400),
+                         ("http.json[prompt nested 10^5 deep]", 400),
+                         ("http.json[max_tokens of 5000 characters]", 400)):
+        assert by_name[name]["statuses"][:1] == [status], by_name[name]
+    for name in ("http.content_length[2^64, no body]", "http.content_type['text/plain']"):
+        assert by_name[name]["seconds"] < 1, by_name[name]
+    assert len(by_name["http.pipelined[50 health checks]"]["statuses"]) == 50
+    assert any(r["expect"] == "any" for r in results)  # random damage after the crafted
