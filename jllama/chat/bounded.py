@@ -27,6 +27,7 @@ import jinja2.compiler
 import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
+import markupsafe
 
 from jllama.chat import limits
 from jllama.errors import ChatError
@@ -41,9 +42,9 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
     """Jinja's code generator with `~` sized and `+` of constants left to Python."""
 
     def visit_Add(self, node: jinja2.nodes.Add, frame: jinja2.compiler.Frame) -> None:
-        if isinstance(node.left, jinja2.nodes.Const) or isinstance(node.right, jinja2.nodes.Const):
-            # One operand is a constant: the sum outgrows the other by the constant's size
-            # only, so no check is needed (and `x + 1` costs what it costs in Python).
+        if _is_constant(node.left) or _is_constant(node.right):
+            # One operand is made of constants: the sum outgrows the other by the constants'
+            # size only, so no check is needed (and `x + 1` costs what it costs in Python).
             self.write("(")
             self.visit(node.left, frame)
             self.write(" + ")
@@ -52,12 +53,62 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
         else:
             super().visit_Add(node, frame)
 
+    # `{{ value }}` is written as `str(environment.finalize(value))`: `_finalize` sizes a list's
+    # text first. Where the value is text by construction (a filter that returns text, `~`,
+    # a string constant added to something), the check is left out: most outputs of real
+    # templates are such (`{{ message['content'] | trim }}`), and it costs a call each.
+
+    def _output_child_pre(self, node, frame, finalize) -> None:
+        super()._output_child_pre(node, frame, _without(finalize) if _is_text(node) else finalize)
+
+    def _output_child_post(self, node, frame, finalize) -> None:
+        super()._output_child_post(node, frame, _without(finalize) if _is_text(node) else finalize)
+
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
         self.write("environment.bounded_concat((")
         for arg in node.nodes:
             self.visit(arg, frame)
             self.write(", ")
         self.write("))")
+
+
+_TEXT_FILTERS = frozenset({
+    "capitalize", "center", "e", "escape", "forceescape", "format", "indent", "join", "lower",
+    "replace", "safe", "string", "striptags", "title", "tojson", "trim", "truncate", "upper",
+    "urlencode", "urlize", "wordwrap",
+})
+"""Filters whose result is text whatever their value."""
+
+
+def _is_text(node: jinja2.nodes.Node) -> bool:
+    """Whether an expression's value is a string by construction."""
+    if isinstance(node, jinja2.nodes.Const):
+        return isinstance(node.value, str)
+    if isinstance(node, jinja2.nodes.Concat):
+        return True
+    if isinstance(node, jinja2.nodes.Filter):
+        return node.name in _TEXT_FILTERS
+    if isinstance(node, jinja2.nodes.Add):
+        return _is_text(node.left) or _is_text(node.right)  # str + x is a str or an error
+    if isinstance(node, jinja2.nodes.CondExpr):
+        return _is_text(node.expr1) and node.expr2 is not None and _is_text(node.expr2)
+    return False
+
+
+def _is_constant(node: jinja2.nodes.Node) -> bool:
+    """Whether an expression is made of constants only (its size is the template text's)."""
+    if isinstance(node, jinja2.nodes.Const):
+        return True
+    if isinstance(node, jinja2.nodes.Add):
+        return _is_constant(node.left) and _is_constant(node.right)
+    if isinstance(node, jinja2.nodes.Concat):
+        return all(_is_constant(n) for n in node.nodes)
+    return False
+
+
+def _without(finalize):
+    """Jinja's finalize information without the call of `environment.finalize`."""
+    return finalize._replace(src=None)
 
 
 def _bounded_output(parts: Iterable[str]) -> str:
@@ -74,10 +125,13 @@ def _bounded_output(parts: Iterable[str]) -> str:
 
 
 def _finalize(value: Any) -> Any:
-    """Each `{{ ... }}` value before it is written: a container's text is sized first."""
-    if type(value) is not str:
+    """A `{{ ... }}` value before it is written: a container's text is sized first."""
+    if not isinstance(value, _SCALARS):
         limits.check_size(limits.text_size(value))
     return value
+
+
+_SCALARS = (str, int, float, type(None), jinja2.Undefined)
 
 
 def _bounded_filter(name: str, func: Callable) -> Callable:
@@ -115,6 +169,40 @@ def _bounded_filter(name: str, func: Callable) -> Callable:
     return bounded
 
 
+def _text_of(value: Any) -> str:
+    """`value` as text (a `Markup` stays one), a container's text sized first."""
+    if type(value) is str:
+        return value
+    if not isinstance(value, str):
+        limits.check_size(limits.text_size(value))
+    return markupsafe.soft_str(value)
+
+
+# The commonest text filters, written with the check inside rather than wrapped (a wrapper
+# costs a call on each use; real templates trim every message).
+def _trim(value: Any, chars: str | None = None) -> str:
+    """`trim`: leading and trailing `chars` (whitespace) removed."""
+    return _text_of(value).strip(chars)
+
+
+def _lower(value: Any) -> str:
+    """`lower`: the value in lower case."""
+    return _text_of(value).lower()
+
+
+def _upper(value: Any) -> str:
+    """`upper`: the value in upper case."""
+    return _text_of(value).upper()
+
+
+def _string(value: Any) -> str:
+    """`string`: the value as text."""
+    return _text_of(value)
+
+
+_OWN_FILTERS = {"trim": _trim, "lower": _lower, "upper": _upper, "string": _string}
+
+
 def _bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
     """`lipsum()` with its size bounded before it is made (`n` paragraphs of up to `max`
     words; 7 characters a word is generous for its vocabulary)."""
@@ -143,8 +231,12 @@ class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return __context.call(__obj, *args, **kwargs)
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:  # the common case
+            if len(left) + len(right) > limits.MAX_TEMPLATE_VALUE:
+                raise limits.too_large(len(left) + len(right))
+            return left + right
         limits.check_size(limits.binop_size(operator, left, right))
-        return super().call_binop(context, operator, left, right)
+        return self.binop_table[operator](left, right)
 
     def bounded_concat(self, values: tuple) -> str:
         """`a ~ b ~ c` (called by the generated code): sized before the text is made."""
@@ -168,7 +260,7 @@ def bounded_environment(**options: Any) -> jinja2.sandbox.ImmutableSandboxedEnvi
 def bound_filters(env: jinja2.Environment) -> None:
     """Wraps the filters of `env` that make more than their value or write a list's text."""
     env.filters = {
-        name: _bounded_filter(name, f)
+        name: _OWN_FILTERS.get(name) or _bounded_filter(name, f)
         if name in limits.FILTER_SIZES or name in limits.STRINGIFY else f
         for name, f in env.filters.items()
     }

@@ -36,7 +36,7 @@ import jinja2.sandbox
 from jllama.chat import limits
 from jllama.chat.bounded import bound_filters, bounded_environment
 from jllama.chat.limits import MAX_TEMPLATE_OUTPUT, MAX_TEMPLATE_SOURCE, MAX_TEMPLATE_VALUE
-from jllama.chat.watchdog import MAX_TEMPLATE_GROWTH, MAX_TEMPLATE_SECONDS, Stopped
+from jllama.chat.watchdog import MAX_TEMPLATE_GROWTH, MAX_TEMPLATE_SECONDS, REASON, Stopped
 from jllama.chat.watchdog import start as start_watch
 from jllama.chat.watchdog import stop as stop_watch
 from jllama.errors import ChatError
@@ -217,7 +217,7 @@ def render_template(compiled: jinja2.Template, variables: Mapping[str, Any]) -> 
         finally:
             stop_watch(watch)
     except Stopped:
-        raise ChatError(f"chat template: {watch.reason or 'stopped'} (refused)") from None
+        raise ChatError(f"chat template: {watch[REASON] or 'stopped'} (refused)") from None
     except ChatError:
         raise
     except MemoryError:
