@@ -23,6 +23,10 @@ Seeds (written here into a temporary folder, the same bytes for every run):
   hf             config.json, model.safetensors (the `safetensors` package's `save_file`),
                  tokenizer.json (the `tokenizers` package's byte-level BPE, saved by it) and
                  tokenizer_config.json.
+  template       the gguf seed in chat mode (`--mode=chat`, the prompt its first message), its
+                 tokenizer.chat_template replaced (bench/fuzz_templates.py): template bombs
+                 (huge strings, endless recursion, 5,000 nested parentheses, ...) that must be
+                 refused, and real models' templates (tests/data/templates) randomly edited.
 
 Mutations: random damage (bit flips, truncation, byte insertion and deletion, an interesting
 integer written over a header word, a JSON value replaced) and crafted header lies per format

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # fuzz_runner imports this module to classify what it ran
 
 # Jllama's own informational stderr lines: allowed beside the one error line or a run.
 INFO_PREFIXES = ("jllama: required memory:", "jllama: note:", "jllama: warning:",
-                 "jllama: seed ", "achieved tok/s:")
+                 "jllama: seed ", "achieved tok/s:", "jllama: context full:")
 
 
 def read_text(path: Path, limit: int = 1 << 20) -> str:
@@ -104,9 +104,11 @@ def _names_input(line: str, r: Running) -> bool:
     "the checkpoint" (non-finite logits are found while generating, after the files are read:
     "the checkpoint's weights may be broken (check with --verify_checkpoint)"), or the model's
     context (a legal but tiny seq_len: "--prompt is 10 tokens, longer than the context
-    (seq_len=7)")."""
+    (seq_len=7)"; a chat template that writes a long prompt: "the conversation is 2960 tokens
+    with this message, and the context holds 128 (seq_len)")."""
     names = ("config.json", "tokenizer.json", "model.safetensors", "tokenizer_config.json",
-             "model.gguf", "model.bin", "tokenizer.bin", "the checkpoint", "(seq_len=")
+             "model.gguf", "model.bin", "tokenizer.bin", "the checkpoint", "(seq_len=",
+             "(seq_len)")
     return str(r.folder) in line or any(name in line for name in names)
 
 
@@ -130,6 +132,8 @@ def why_ran(r: Running) -> str:
         return "unchanged: the value written was the one already there"
     if m.name.startswith("json.value["):
         return "the JSON value replaced is one jllama does not read, or a legal one"
+    if m.name.startswith("template.random["):
+        return "a real template with random edits, within the limits"
     if m.name.startswith("file.missing["):
         return "an optional file left out"
     if not m.touched:

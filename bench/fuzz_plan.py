@@ -15,6 +15,7 @@ from fuzz_mutations import (
     Mutation, gguf_field_lie, json_value_lie, llama2c_field_lie, random_damage,
     safetensors_entry_lie)
 from fuzz_seeds import Seed
+from fuzz_templates import template_lies, template_mutation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +61,14 @@ def crafted(seeds: dict[str, Seed], kinds: tuple[str, ...]) -> list[tuple[str, s
         for lies in (config_lies, tokenizer_json_lies, safetensors_lies):
             for target, name, apply, expect in lies(seeds["hf"]):
                 lie("hf", seeds["hf"], target, name, apply, expect)
+    if "template" in kinds:
+        for name, apply, expect in template_lies(seeds["template"]):
+            lie("template", seeds["template"], "model.gguf", name, apply, expect)
     # Every file of every seed missing, and empty.
     owners = {"model.gguf": "gguf", "model.bin": "llama2c", "tokenizer.bin": "tokenizer_bin"}
     for seed in seeds.values():
-        if seed.name == "llama2c-v2":
-            continue  # its files are llama2c-v0's kinds again
+        if seed.name in ("llama2c-v2", "template"):
+            continue  # their files are llama2c-v0's and gguf's again
         for target in seed.files:
             kind = owners.get(target, "hf")
             if kind in kinds:
@@ -81,6 +85,9 @@ def random_mutation(rng: random.Random, seeds: dict[str, Seed],
     files, or a third of the time a random header field set to an interesting value (for a
     JSON file, half the time a hostile value somewhere in it). Each case draws its damage
     from a generator of its own when it is made, so the plan holds no file bytes."""
+    if kind == "template":
+        own_seed = rng.randrange(2**63)
+        return "template", lambda: template_mutation(random.Random(own_seed), seeds["template"])
     if kind in ("gguf", "hf"):
         seed = seeds[kind]
     else:
@@ -110,7 +117,7 @@ def plan(seeds: dict[str, Seed], n: int, seed: int, kinds: tuple[str, ...]) -> l
     mutations, the kinds in turn, up to `n` (when n is smaller, a seeded sample of those)."""
     rng = random.Random(seed)
     firsts = [("gguf", "gguf"), ("llama2c", "llama2c-v0"), ("llama2c", "llama2c-v2"),
-              ("hf", "hf")]
+              ("hf", "hf"), ("template", "template")]
     cases = [(k, s, None) for k, s in firsts if k in kinds]
     lies = crafted(seeds, kinds)
     room = max(0, n - len(cases))

@@ -27,7 +27,7 @@ from jllama.formats.llama2c_layout import header_nbytes, layout  # noqa: E402
 from jllama.formats.llama2c_writer import write_checkpoint  # noqa: E402
 from jllama.weights import random_weights  # noqa: E402
 
-KINDS = ("gguf", "llama2c", "tokenizer_bin", "hf")
+KINDS = ("gguf", "llama2c", "tokenizer_bin", "hf", "template")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +160,11 @@ def hf_seed(folder: Path) -> Seed:
 def make_seeds(folder: Path) -> dict[str, Seed]:
     """Every seed, written under `folder` (scratch files; the seeds hold their bytes)."""
     folder.mkdir(parents=True, exist_ok=True)
-    seeds = [gguf_seed(folder), llama2c_seed(folder, 0), llama2c_seed(folder, 2),
-             hf_seed(folder)]
+    from fuzz_templates import template_seed
+
+    gguf = gguf_seed(folder)
+    seeds = [gguf, llama2c_seed(folder, 0), llama2c_seed(folder, 2), hf_seed(folder),
+             template_seed(gguf)]
     return {s.name: s for s in seeds}
 
 

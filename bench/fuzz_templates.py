@@ -49,7 +49,7 @@ BOMBS = {
     "zfill": "{{ '1'.zfill(10**9) }}",
     "mul": "{{ 'x' * 10**10 }}",
     "list_mul": "{{ ['x' * 1000] * 10**6 }}",
-    "pow": "{{ 7 ** 10**8 }}",
+    "pow": "{{ 7 ** 100000000 }}",  # Jinja's ** groups to the left: 7 ** 10**8 is 7**80
     "to_bytes": "{{ (1).to_bytes(10**9, 'big') }}",
     "indent": "{{ 'ab\ncd'|indent(10**9) }}",
     "batch_fill": "{{ ['x']|batch(10**9, 'y')|list }}",

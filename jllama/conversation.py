@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from jllama.errors import JllamaError
+from jllama.errors import ChatError, JllamaError
 from jllama.generate import Generation, Token
 
 
@@ -118,13 +118,17 @@ class Conversation:
         Raises:
           ContextFullError: the conversation with this message does not fit in seq_len (the
             message is not added).
-          JllamaError: the chat template fails (ChatError).
+          JllamaError: the chat template fails or writes nothing (ChatError).
 
         When the iteration ends (or is abandoned), the reply is added to `messages` and
         `cached_ids` says what the KV cache holds; `last` tells why it stopped.
         """
         messages = self.messages + [{"role": "user", "content": text}]
         ids = self.encode(messages)
+        if not ids:
+            # A template that writes nothing for the conversation leaves no token whose logits
+            # could start the reply.
+            raise ChatError("chat template: wrote no text for the conversation")
         if len(ids) >= self.seq_len:
             raise ContextFullError(
                 f"the conversation is {len(ids)} tokens with this message, and the context "

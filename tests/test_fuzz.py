@@ -8,6 +8,10 @@ of peak RSS. None may fail. The harness runs in a process of its own: it forks, 
 safe only in a process where JAX has not started a backend (other tests here start them).
 A long run by hand: `.venv/bin/python bench/fuzz.py --cases=2000 --out=fuzz-failures`.
 
+And one run of its chat-template class (issue 33): TEMPLATE_CASES GGUFs in chat mode whose
+template is every bomb of bench/fuzz_templates.py (each must be refused in one line) and real
+models' templates randomly edited; about 15 s with two jobs.
+
 And one run of its HTTP class (issue 33): HTTP_CASES raw-byte cases against one `jllama serve`
 on the GGUF seed, every crafted one (framing, sizes, content types, slashes, deep JSON,
 pipelining, slow senders) and random damage after them; about 8 s.
@@ -28,6 +32,7 @@ SEED = 21
 CASES = 300
 FILE_KINDS = "gguf,llama2c,tokenizer_bin,hf"
 HTTP_CASES = 150
+TEMPLATE_CASES = 60
 
 
 def run_fuzz(*flags: str, timeout: float = 240) -> tuple[list[dict], dict]:
@@ -42,6 +47,34 @@ def run_fuzz(*flags: str, timeout: float = 240) -> tuple[list[dict], dict]:
 @pytest.fixture(scope="module")
 def ci_run():
     return run_fuzz(f"--cases={CASES}", f"--seed={SEED}", "--jobs=2", f"--kinds={FILE_KINDS}")
+
+
+@pytest.fixture(scope="module")
+def template_run():
+    return run_fuzz(f"--cases={TEMPLATE_CASES}", f"--seed={SEED}", "--jobs=2",
+                    "--kinds=template", timeout=240)
+
+
+def test_no_template_case_fails(template_run):
+    results, summary = template_run
+    failures = [r for r in results if r["outcome"] == "failure"]
+    assert not failures, f"{len(failures)} of {summary['cases']} template cases failed:\n" + \
+        "\n".join(f"  {r['mutation']}: {r['reason']} ({r['seconds']} s, {r['peak_rss_mb']} MB; "
+                  f"{r['stderr'][:200]})" for r in failures)
+
+
+def test_every_template_bomb_is_refused_in_one_line(template_run):
+    sys.path.insert(0, str(BENCH))
+    from fuzz_templates import BOMBS
+
+    results, summary = template_run
+    by_name = {r["mutation"]: r for r in results}
+    for name in BOMBS:
+        r = by_name[f"template.{name}"]
+        assert r["outcome"] == "clean_error" and r["exit"] == 1, r
+        assert r["seconds"] < 5 and r["peak_rss_mb"] < 1024, r
+    assert by_name["seed"]["outcome"] == "ran"
+    assert any(r["mutation"].startswith("template.random[") for r in results)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,9 @@ def main(session, sampler, text: TextOptions) -> int:
     try:
         conversation = session.chat(system_prompt=text.system_prompt)
     except ChatError as e:
-        raise ChatError(f"{model.source}: {e}") from None
+        # A template that does not compile is named by `ChatTemplate.for_tokenizer` already.
+        prefix = f"{model.source}: "
+        raise ChatError(str(e) if str(e).startswith(prefix) else prefix + str(e)) from None
     interactive = sys.stdin.isatty()
     editing = interactive and sys.stdout.isatty()
     if editing:
