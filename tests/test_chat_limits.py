@@ -217,3 +217,79 @@ def test_the_real_templates_are_there():
     for needed in ("meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
                    "Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "HuggingFaceTB-SmolLM3-3B"):
         assert needed in names
+
+
+# --------------------------------------------------------------------------------------------
+# The server: a request whose rendering is stopped gets a 400 in OpenAI's error shape, and the
+# other requests' streams keep flowing meanwhile (the rendering runs off the event loop and the
+# scheduler's thread, and the watcher stops it).
+
+BOMB_ON_REQUEST = (
+    "{% if messages[0]['content'] == 'bomb' %}{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}"
+    "{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}{% endif %}"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
+
+
+def test_the_server_answers_a_stopped_rendering_with_a_400_and_keeps_streaming(tmp_path):
+    import socket
+    import threading
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_files import byte_tokens, write_gguf
+
+    from jllama.config import ModelConfig
+    from jllama.weights import random_weights
+
+    config = ModelConfig(dim=32, hidden_dim=64, n_layers=1, n_heads=2, n_kv_heads=2,
+                         vocab_size=256, seq_len=2048, shared_weights=False)
+    path = write_gguf(tmp_path / "m.gguf", config, random_weights(config, seed=1),
+                      vocab=byte_tokens(), chat_template=BOMB_ON_REQUEST)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jllama", "serve", f"--checkpoint={path}", f"--port={port}",
+         "--backend=numpy", "--seq_len=2048", "--model_name=m"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(f"{url}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        times: list[float] = []  # when each streamed event arrived
+        done = threading.Event()
+
+        def stream():
+            while not done.is_set():  # one streamed request after another
+                with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+                        "model": "m", "messages": [{"role": "user", "content": "hello"}],
+                        "max_tokens": 500, "ignore_eos": True, "stream": True,
+                        "temperature": 0}) as r:
+                    for _ in r.iter_lines():
+                        times.append(time.monotonic())
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "bomb"}], "max_tokens": 5})
+        seconds = time.monotonic() - start
+        done.set()
+        thread.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "chat template" in error["message"]
+    assert 1.5 < seconds < 5  # the watcher stopped it at 2 s
+    during = [t for t in times if start <= t <= start + seconds]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(during) > 200 and max(gaps) < 0.5, (len(during), max(gaps, default=None))
