@@ -22,6 +22,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -70,18 +71,27 @@ class Result:
     peak_rss_mb: float
 
 
+# Starts the command from a small process and writes its exit code and peak RSS (KiB) to the
+# file argv[1]. A child forked by pytest itself would count pytest's own pages (GBs late in the
+# suite) in its ru_maxrss: its maximum covers the time before exec.
+_SPAWN = """
+import os, sys
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
+"""
+
+
 def run_cli(*args: str, tmp: Path) -> Result:
-    """The `jllama` command on `args`, with its wall time and its own peak RSS (os.wait4's,
-    not the maximum over every child this test process ever had)."""
-    out, err = tmp / "cli.stdout", tmp / "cli.stderr"
+    """The `jllama` command on `args`, with its wall time and its own peak RSS."""
+    out, err, rusage = tmp / "cli.stdout", tmp / "cli.stderr", tmp / "cli.rusage"
     with open(out, "wb") as o, open(err, "wb") as e:
         start = time.perf_counter()
-        proc = subprocess.Popen(jllama_command() + list(args), stdout=o, stderr=e, cwd=REPO)
-        _, status, usage = os.wait4(proc.pid, 0)
+        subprocess.run([sys.executable, "-c", _SPAWN, str(rusage), *jllama_command(), *args],
+                       stdout=o, stderr=e, cwd=REPO, timeout=120, check=True)
         seconds = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return Result(proc.returncode, out.read_text(), err.read_text(), seconds,
-                  usage.ru_maxrss / 1024)
+    code, kib = map(int, rusage.read_text().split())
+    return Result(code, out.read_text(), err.read_text(), seconds, kib / 1024)
 
 
 def assert_refused(result: Result, *needles: str) -> str:
