@@ -51,18 +51,42 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
             self.visit(node.right, frame)
             self.write(")")
         else:
-            super().visit_Add(node, frame)
+            # str + str, the common case, checked inline (no call); anything else by
+            # `call_binop`. Each operand is evaluated once, into a name of its own.
+            a, b = self.temporary_identifier(), self.temporary_identifier()
+            self.write(f"({a} + {b} if (({a} := ")
+            self.visit(node.left, frame)
+            self.write(f").__class__ is str) & (({b} := ")
+            self.visit(node.right, frame)
+            self.write(f").__class__ is str) and len({a}) + len({b}) <= "
+                       f"{limits.MAX_TEMPLATE_VALUE} else "
+                       f"environment.call_binop(context, '+', {a}, {b}))")
 
     # `{{ value }}` is written as `str(environment.finalize(value))`: `_finalize` sizes a list's
     # text first. Where the value is text by construction (a filter that returns text, `~`,
     # a string constant added to something), the check is left out: most outputs of real
     # templates are such (`{{ message['content'] | trim }}`), and it costs a call each.
 
+    # Elsewhere the check is inline, so that a value that is a string costs no call:
+    # `str((o if (o := value).__class__ is str else environment.finalize(o)))`.
+
     def _output_child_pre(self, node, frame, finalize) -> None:
-        super()._output_child_pre(node, frame, _without(finalize) if _is_text(node) else finalize)
+        if _is_text(node) or finalize.src is None:
+            super()._output_child_pre(node, frame, _without(finalize))
+            return
+        self._output_names = getattr(self, "_output_names", [])
+        name = self.temporary_identifier()
+        self._output_names.append(name)
+        super()._output_child_pre(node, frame, _without(finalize))
+        self.write(f"({name} if ({name} := ")
 
     def _output_child_post(self, node, frame, finalize) -> None:
-        super()._output_child_post(node, frame, _without(finalize) if _is_text(node) else finalize)
+        if _is_text(node) or finalize.src is None:
+            super()._output_child_post(node, frame, _without(finalize))
+            return
+        name = self._output_names.pop()
+        self.write(f").__class__ is str else environment.finalize({name}))")
+        super()._output_child_post(node, frame, _without(finalize))
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
         self.write("environment.bounded_concat((")
