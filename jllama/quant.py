@@ -108,6 +108,13 @@ def quantize_int8(w: np.ndarray) -> Int8Matrix:
     # A row of subnormals tiny enough that absmax / 127 underflows to 0 gets the smallest
     # subnormal step instead (its values are then < 127 steps: q stays in range).
     step = np.maximum(absmax / np.float32(INT8_MAX), np.finfo(np.float32).smallest_subnormal)
+    # A subnormal step is coarse (1.4e-45 apart): rounded down, absmax / step can pass 127 and
+    # clip (a row holding one 4.4e-43: q would be 157). Take the next float up there, which is
+    # above absmax / 127 exactly (compared in float64, where nothing underflows). A normal
+    # step's rounding (6e-8 relative) keeps absmax / step within rint's reach of 127.
+    low = (step < np.finfo(np.float32).tiny) & (
+        step.astype(np.float64) * INT8_MAX < absmax.astype(np.float64))
+    step = np.where(low, np.nextafter(step, np.float32(np.inf)), step)
     scale = np.where(absmax > 0, step, np.float32(1)).astype(np.float32)
     q = np.clip(np.rint(w / scale[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8)
     return Int8Matrix(q=q, scale=scale)

@@ -50,6 +50,17 @@ def test_error_is_at_most_half_a_step(w):
     assert np.all(np.abs(m.q) <= 127)
 
 
+def test_a_row_of_one_subnormal_stays_within_half_a_step():
+    # Found by hypothesis: 4.4140902e-43 / 127 rounds down to a subnormal step so coarse that
+    # w / step was 157, clipped to 127 (error 8.5e-44, far over half a step).
+    w = np.zeros((2, 6), np.float32)
+    w[0, 0], w[1, 2] = 4805.0186, 4.4140902e-43
+    m = quantize_int8(w)
+    assert np.all(np.abs(m.q.astype(np.int32)) <= 127)
+    err = np.abs(dequantize(m) - w)
+    assert np.all(err <= m.scale[:, None] * 0.5 * (1 + 1e-5) + np.abs(w) * 2e-7)
+
+
 def test_quantize_refuses_non_finite_and_vectors():
     with pytest.raises(ValueError, match="non-finite"):
         quantize_int8(np.array([[1.0, np.inf]], np.float32))
