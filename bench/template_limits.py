@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -36,6 +35,7 @@ import jinja2.sandbox
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from jllama.chat import ChatTemplate  # noqa: E402
 from jllama.chat import sandbox  # noqa: E402
@@ -81,14 +81,10 @@ def best_us(fn, number: int, rounds: int) -> list[float]:
 
 
 def machine() -> dict:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "jinja2": jinja2.__version__, "loadavg": os.getloadavg()}
+    """bench/memory_plan.py's machine facts, with the Python and Jinja versions."""
+    from memory_plan import machine as host  # bench/ is the script's folder
+
+    return {**host(), "python": platform.python_version(), "jinja2": jinja2.__version__}
 
 
 def main() -> int:

@@ -175,25 +175,8 @@ def test_hostile_templates_through_the_command(hostile_models, tmp_path):
 # --------------------------------------------------------------------------------------------
 # Real templates still render as transformers renders them.
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "description": "the city"},
-        "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city"]}}}]
-CONVERSATIONS = {
-    "plain": dict(messages=[
-        {"role": "system", "content": "You are helpful."},
-        {"role": "user", "content": "Hello there"},
-        {"role": "assistant", "content": "Hi! How can I help?"},
-        {"role": "user", "content": "Tell me a joke."}]),
-    "tools": dict(messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
-         "content": '{"temp": 20}'}], tools=TOOLS),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from template_limits import CONVERSATIONS  # noqa: E402 - the benchmark's two conversations
 
 
 def _real_templates() -> list[Path]:

@@ -13,17 +13,18 @@ bounded in size before it runs by `jllama.chat.limits`). A rendering that ends f
 dictionary entry. The watcher is the one piece of process state here: a thread per rendering
 would cost more than the rendering.
 
-Memory is the process's resident set (Linux `/proc/self/statm`; elsewhere only time is
-watched), read when the watcher first sees a rendering and at each look after: what other
+Memory is the process's resident set (`jllama.runtime.rss_bytes`, Linux's VmRSS; elsewhere
+only time is watched), read when the watcher first sees a rendering and at each look after: what other
 threads allocate in the meantime counts too, which `MAX_TEMPLATE_GROWTH` leaves room for.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import time
+
+from jllama.runtime import rss_bytes
 
 MAX_TEMPLATE_SECONDS = 2.0
 """Wall-clock seconds one rendering may take (real templates take well under 1 ms)."""
@@ -38,18 +39,6 @@ POLL_SECONDS = 0.01
 class Stopped(BaseException):
     """Raised in a rendering thread by the watcher. A BaseException, so that no `except
     Exception` in Jinja or a filter swallows it; the renderer turns it into its reason."""
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def resident_bytes() -> int | None:
-    """The process's resident set, bytes (None where `/proc/self/statm` is not there)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 # A rendering's record: a list, not an object, so that registering one is a few C calls.
@@ -99,7 +88,7 @@ class _Watcher:
             renderings = list(self.renderings.values())
             if not renderings:
                 continue
-            rss = resident_bytes()
+            rss = rss_bytes() or None  # 0: not readable here
             now = time.monotonic()
             for rendering in renderings:
                 if rendering[START_RSS] is None:
