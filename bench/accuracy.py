@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from jllama.backends.jax_graph import JaxGraphBackend
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 
 N = 128
 

@@ -126,7 +126,7 @@ def main() -> None:
     for s in shapes:
         if s not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {s!r} (known: {', '.join(SHAPES)})")
-    from jllama.cache_types import cache_type
+    from jllama.model.cache_types import cache_type
 
     for k in kinds:
         cache_type(k, flag="types")

@@ -6,7 +6,7 @@ alternating rounds within one process. Prints JSON lines: one naming the machine
   .venv/bin/python bench/batch_decode.py [--model=smollm2] [--dtype=float32] [--steps=64]
       [--rounds=3] [--batches=1,2,4,8,16] [--seq_len=512]
 
-The model is read as `jllama.loading.open_model(model, seq_len, dtype=dtype)` (smollm2: the
+The model is read as `jllama.model.loading.open_model(model, seq_len, dtype=dtype)` (smollm2: the
 Q4_1 GGUF dequantized to float32; `jllama fetch smollm2` first). JLLAMA_MARCH=x86-64-v3 in the
 environment measures the kernels' AVX2 build.
 """
@@ -37,7 +37,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     from jllama.backends import prepared_backend
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
 
     model = open_model(args.model, seq_len=args.seq_len, dtype=args.dtype, need_tokenizer=False)
     backend = prepared_backend(model, "jax")

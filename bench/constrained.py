@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     from jllama.constrain import Grammar
     from jllama.sampling import Sampler
-    from jllama.session import Session
+    from jllama.generation.session import Session
 
     session = Session.open(args.checkpoint, seq_len=args.seq_len,
                            dtype=None if args.dtype == "auto" else args.dtype)

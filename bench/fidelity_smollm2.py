@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         k = first_difference(want["generated_ids"], other["generated_ids"])
         print(json.dumps({"prompt": want["prompt"], "jllama": None, "vs": "llama.cpp f32 cache",
                           "parted_at": k, "margin": None if k is None else want["margins"][k]}))
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
     from jllama.sampling import Sampler
-    from jllama.session import Session
+    from jllama.generation.session import Session
 
     model = open_model("smollm2", seq_len=256)
     for cache in args.cache_types.split(","):

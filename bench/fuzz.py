@@ -107,12 +107,10 @@ from pathlib import Path
 from fuzz_http import keep as keep_http  # bench/ is the script's folder
 from fuzz_http import replay as replay_http
 from fuzz_http import run_http
-from fuzz_outcomes import SEED_REGIONS
-from fuzz_plan import plan
+from fuzz_outcomes import RSS_LIMIT_MB, SEED_REGIONS, SETUP_LIMITS, TIME_LIMIT_S, Limits
+from fuzz_plan import Running, plan
 from fuzz_replay import keep, replay
-from fuzz_runner import (
-    RSS_LIMIT_MB, SETUP_LIMITS, TIME_LIMIT_S, Limits, Running, preload, rss_kib, run_all,
-    seed_peak_kib)
+from fuzz_runner import preload, rss_kib, run_all, seed_peak_kib
 from fuzz_seeds import KINDS, make_seeds
 
 ALL_KINDS = KINDS + ("http",)

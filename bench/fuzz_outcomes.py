@@ -7,12 +7,26 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+import dataclasses
 
 from fuzz_mutations import Mutation  # bench/ is the script's folder
+from fuzz_plan import Running
 
-if TYPE_CHECKING:  # fuzz_runner imports this module to classify what it ran
-    from fuzz_runner import Limits, Running
+TIME_LIMIT_S = 10.0
+RSS_LIMIT_MB = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a case may take: wall-clock seconds and peak RSS in MB (2^20 bytes)."""
+
+    seconds: float = TIME_LIMIT_S
+    rss_mb: float = RSS_LIMIT_MB
+
+
+SETUP_LIMITS = Limits(60.0, 4096)
+"""For the harness's own runs of the seeds (`preload`, `seed_peak_kib`), whatever --time_limit
+and --rss_limit say: a seed must not be cut short there."""
 
 # Jllama's own informational stderr lines: allowed beside the one error line or a run.
 INFO_PREFIXES = ("jllama: required memory:", "jllama: note:", "jllama: warning:",

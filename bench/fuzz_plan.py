@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 from fuzz_lies import (  # bench/ is the script's folder
     config_lies, gguf_lies, llama2c_lies, safetensors_lies, tokenizer_bin_lies,
@@ -126,3 +127,17 @@ def plan(seeds: dict[str, Seed], n: int, seed: int, kinds: tuple[str, ...]) -> l
         kind = kinds[len(cases) % len(kinds)]
         cases.append((kind, *random_mutation(rng, seeds, kind)))
     return [Case(i, k, s, make) for i, (k, s, make) in enumerate(cases[:n])]
+
+
+@dataclasses.dataclass
+class Running:
+    """A started case: its process, its input and output folder, and what it was given."""
+
+    case: Case
+    mutation: Mutation | None  # without its data (written already)
+    folder: Path
+    argv: list[str]
+    pid: int
+    started: float
+    rss_offset_kib: int = 0  # see `seed_peak_kib`
+    killed: str | None = None

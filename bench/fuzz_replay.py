@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 from fuzz_mutations import Mutation  # bench/ is the script's folder
-from fuzz_outcomes import classify, read_text
-from fuzz_plan import Case
-from fuzz_runner import RUN_FLAGS, Limits, Running, run_one, spawn
+from fuzz_outcomes import Limits, classify, read_text
+from fuzz_plan import Case, Running
+from fuzz_runner import RUN_FLAGS, run_one, spawn
 from fuzz_seeds import Seed
 
 

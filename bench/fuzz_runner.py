@@ -16,43 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fuzz_mutations import Mutation  # bench/ is the script's folder
-from fuzz_outcomes import classify
-from fuzz_plan import Case
+from fuzz_outcomes import Limits, classify
+from fuzz_plan import Case, Running
 from fuzz_seeds import Seed
 
-TIME_LIMIT_S = 10.0
-RSS_LIMIT_MB = 1024
 PROMPT = "Hi there, fuzz!"
 STEPS = 32  # more than the prompt's tokens in every seed, so each case generates
 RUN_FLAGS = ("--backend=numpy", f"--steps={STEPS}", "--temperature=0", f"--prompt={PROMPT}")
 """What every case runs after its --checkpoint (and --tokenizer): a few greedy tokens."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What a case may take: wall-clock seconds and peak RSS in MB (2^20 bytes)."""
-
-    seconds: float = TIME_LIMIT_S
-    rss_mb: float = RSS_LIMIT_MB
-
-
-SETUP_LIMITS = Limits(60.0, 4096)
-"""For the harness's own runs of the seeds (`preload`, `seed_peak_kib`), whatever --time_limit
-and --rss_limit say: a seed must not be cut short there."""
-
-
-@dataclasses.dataclass
-class Running:
-    """A started case: its process, its input and output folder, and what it was given."""
-
-    case: Case
-    mutation: Mutation | None  # without its data (written already)
-    folder: Path
-    argv: list[str]
-    pid: int
-    started: float
-    rss_offset_kib: int = 0  # see `seed_peak_kib`
-    killed: str | None = None
 
 
 def write_case(seed: Seed, mutation: Mutation | None, folder: Path) -> list[str]:

@@ -22,10 +22,10 @@ sys.path.insert(0, str(REPO / "tests"))  # gguf_files: the tests' GGUF writer, r
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jllama.config import ModelConfig  # noqa: E402
+from jllama.model.config import ModelConfig  # noqa: E402
 from jllama.formats.llama2c_layout import header_nbytes, layout  # noqa: E402
 from jllama.formats.llama2c_writer import write_checkpoint  # noqa: E402
-from jllama.weights import random_weights  # noqa: E402
+from jllama.model.weights import random_weights  # noqa: E402
 
 KINDS = ("gguf", "llama2c", "tokenizer_bin", "hf", "template")
 
@@ -93,7 +93,7 @@ def gguf_seed(folder: Path) -> Seed:
 def llama2c_seed(folder: Path, version: int) -> Seed:
     """model.bin of llama2.c `version` (0: run.c's, 2: runq.c's Q8_0) and llama2.c's tok512.bin,
     passed with --tokenizer so a damaged one is not replaced by a tokenizer found elsewhere."""
-    from jllama.loading import embedded_tokenizer
+    from jllama.model.loading import embedded_tokenizer
 
     config = tiny_config(512)
     write_checkpoint(folder / f"v{version}.bin", config, random_weights(config, seed=2),
@@ -157,11 +157,15 @@ def hf_seed(folder: Path) -> Seed:
     return Seed("hf", "hf", files, ("--checkpoint={dir}/hf",), regions)
 
 
+def template_seed(gguf: Seed) -> Seed:
+    """The GGUF seed in chat mode: a template case's seed."""
+    return dataclasses.replace(gguf, name="template", kind="template",
+                               argv=(*gguf.argv, "--mode=chat"))
+
+
 def make_seeds(folder: Path) -> dict[str, Seed]:
     """Every seed, written under `folder` (scratch files; the seeds hold their bytes)."""
     folder.mkdir(parents=True, exist_ok=True)
-    from fuzz_templates import template_seed
-
     gguf = gguf_seed(folder)
     seeds = [gguf, llama2c_seed(folder, 0), llama2c_seed(folder, 2), hf_seed(folder),
              template_seed(gguf)]

@@ -14,7 +14,6 @@ a clean error or a run are both fine, never a hang, a crash or a stray line.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import struct
 from collections.abc import Callable, Iterator
@@ -85,16 +84,10 @@ SNIPPETS = [
 ]
 
 
-def template_seed(gguf: Seed) -> Seed:
-    """The GGUF seed in chat mode: a template case's seed."""
-    return dataclasses.replace(gguf, name="template", kind="template",
-                               argv=(*gguf.argv, "--mode=chat"))
-
-
 def with_template(seed: Seed, data: bytes, template: str) -> bytes:
     """The seed's GGUF bytes with `tokenizer.chat_template` set to `template`."""
     parts = seed.layout.kv[TEMPLATE_KEY]
-    (length_at, length_size), (text_at, text_size) = parts[-2], parts[-1]
+    (length_at, length_size), (_, text_size) = parts[-2], parts[-1]
     text = template.encode("utf-8", "surrogatepass")
     return gguf_splice(data, seed.layout, length_at, length_size + text_size,
                        struct.pack("<Q", len(text)) + text)

@@ -62,7 +62,7 @@ def machine() -> dict:
             model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
     except OSError:
         pass
-    from jllama.runtime import available_memory_bytes
+    from jllama.platform.runtime import available_memory_bytes
 
     return {"host": platform.node(), "cpu_model": model, "cpus": os.cpu_count(),
             "mem_total_gb": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9, 1),
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.parallel < 1 or args.seq_len < 512:
         raise BenchError("--parallel must be at least 1 and --seq_len at least 512")
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
 
     model = open_model(args.checkpoint, seq_len=args.seq_len, need_tokenizer=True)
     target = args.seq_len - args.max_tokens - 50

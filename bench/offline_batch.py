@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from jllama.session import Session
+    from jllama.generation.session import Session
 
     session = Session.open(args.checkpoint, seq_len=args.seq_len,
                            dtype=None if args.dtype == "auto" else args.dtype,

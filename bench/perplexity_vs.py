@@ -100,7 +100,7 @@ def machine(args: argparse.Namespace) -> dict:
 def _checkpoint(text: str) -> Path:
     """The GGUF file of one --models entry (a path or a fetched model's name)."""
     from jllama.errors import JllamaError
-    from jllama.fetch import resolve_checkpoint
+    from jllama.platform.fetch import resolve_checkpoint
     from jllama.formats.gguf import is_gguf
 
     try:
@@ -173,7 +173,7 @@ def compare(args: argparse.Namespace, name: str, checkpoint: Path) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from jllama.weights import DTYPES
+    from jllama.model.weights import DTYPES
 
     p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="smollm2",

@@ -50,7 +50,7 @@ def child(args: argparse.Namespace) -> int:
 
     from jllama.backends import make_backend
     from jllama.errors import JllamaError
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
 
     try:
         model = open_model(args.checkpoint, need_tokenizer=False,
@@ -76,7 +76,7 @@ def checkpoint_context(text: str) -> int | None:
       BenchError: the file is missing or unreadable, or its header is malformed.
     """
     from jllama.errors import JllamaError
-    from jllama.fetch import resolve_checkpoint
+    from jllama.platform.fetch import resolve_checkpoint
 
     flag = f"--checkpoint={text}"
     try:

@@ -34,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from worker import prompt_tokens  # BOS-like first id, then fixed random ids
 
-    from jllama import compile_cache
+    from jllama.platform import compile_cache
     from jllama.errors import JllamaError
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
     from jllama.sampling import Sampler
-    from jllama.session import Session
+    from jllama.generation.session import Session
 
     seq_len = args.seq_len or args.prompt_tokens + max(args.decode_tokens, 1)
     try:

@@ -1,12 +1,12 @@
 """The model shapes the benchmark knows, and the files each one needs on disk.
 
 Random-weight shapes are llama2.c's published models (dim / hidden_dim / n_layers / n_heads /
-n_kv_heads / vocab_size / seq_len) filled with `jllama.weights.random_weights`: the numbers
+n_kv_heads / vocab_size / seq_len) filled with `jllama.model.weights.random_weights`: the numbers
 mean nothing, the work per token is the real model's. They are written once as llama2.c
 version-0 files (what run.c reads) into the cache folder and reused.
 
 Two shapes are real models: `stories260K` (the checkpoint shipped inside jllama, for smoke
-tests) and `smollm2` (SmolLM2-135M-Instruct, the GGUF `jllama.fetch.fetch("smollm2")` brings).
+tests) and `smollm2` (SmolLM2-135M-Instruct, the GGUF `jllama.platform.fetch.fetch("smollm2")` brings).
 Any GGUF file is a shape too, named by its path (`--shapes=path/to/model-Q4_K_M.gguf`): the
 same file is what a `--vs` program such as llama.cpp's llama-bench reads, so both run the very
 same weights.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cli import write_whole  # bench/ is not a package: by file name
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Shape:
     Attributes:
       name: what `--shapes` takes.
       kind: "random" (random weights of `dims`), "embedded" (jllama's stories260K), "known"
-        (a `jllama.fetch` model) or "file" (a GGUF file at `path`).
+        (a `jllama.platform.fetch` model) or "file" (a GGUF file at `path`).
       dims: (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len) for
         "random" shapes, else None.
       shared_weights: the classifier is the embedding table (llama2.c's stories models) or a
@@ -96,17 +96,17 @@ def checkpoint(shape: Shape, cache: Path) -> Path:
     61 MB, TinyLlama-1.1B ~1 min and 4.4 GB (and ~7 GB of memory while it is made).
     """
     if shape.kind == "embedded":
-        from jllama.loading import embedded_checkpoint
+        from jllama.model.loading import embedded_checkpoint
 
         return embedded_checkpoint()
     if shape.kind == "file":
         return Path(shape.path)
     if shape.kind == "known":
-        from jllama.fetch import fetch
+        from jllama.platform.fetch import fetch
 
         return fetch(shape.name, progress=False)
     from jllama.formats.llama2c import checkpoint_nbytes, write_checkpoint
-    from jllama.weights import random_weights
+    from jllama.model.weights import random_weights
 
     config = shape.config()
     path = cache / f"{shape.name}.bin"
@@ -128,7 +128,7 @@ def llama2c_checkpoint(shape: Shape, cache: Path) -> Path:
     if shape.kind != "known":  # a GGUF file shape: the file itself (for GGUF readers)
         return checkpoint(shape, cache)
     from jllama.formats.llama2c import checkpoint_nbytes, write_checkpoint
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
 
     model = open_model(checkpoint(shape, cache), need_tokenizer=False, dtype="float32")
     path = cache / f"{shape.name}.bin"

@@ -8,7 +8,7 @@
 // ahead; prefetcht0 4 KiB ahead; and each thread reading its half as two interleaved streams
 // with the 2 KiB non-temporal prefetch. Each way reads a buffer on 4 KiB pages and, as
 // "..._huge", a second one marked for 2 MiB transparent huge pages (as jllama's packed weights:
-// jllama/packing.py), where the non-temporal reads ran ~4% faster in slow minutes. Each pass sums the buffer in 64 float lanes (the
+// jllama/model/packing.py), where the non-temporal reads ran ~4% faster in slow minutes. Each pass sums the buffer in 64 float lanes (the
 // compiler vectorizes them), half of it per OpenMP thread; built -O3 -march=native -fopenmp.
 #include <omp.h>
 

@@ -25,7 +25,7 @@ import worker
 
 from jllama.formats.llama2c import read_header
 from jllama.tokenizers.llama2c import read_tokenizer
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 
 def test_parse_tok_s_reads_runc_and_jllama_lines():

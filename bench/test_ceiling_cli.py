@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 
 import ceiling
 
-from jllama.loading import embedded_checkpoint
+from jllama.model.loading import embedded_checkpoint
 
 STORIES260K = str(embedded_checkpoint())  # context 512
 

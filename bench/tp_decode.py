@@ -28,7 +28,7 @@ import numpy as np
 import shapes as shapes_mod
 
 from jllama.backends import make_backend
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 
 
 def main() -> int:

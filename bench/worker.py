@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 DTYPES = ("float32", "bfloat16", "int8", "q4", "stored")
-"""What --dtype takes: `jllama.loading.open_model`'s dtypes, and "stored" for the weights as the
+"""What --dtype takes: `jllama.model.loading.open_model`'s dtypes, and "stored" for the weights as the
 file stores them (a GGUF's quantized blocks; open_model's dtype None)."""
 
 
@@ -186,7 +186,7 @@ def warm_up(backend, mode: str, lengths: list[int], last_pos: int, seq_len: int)
 
 def time_prefill(backend, mode: str, tokens: list[int]) -> float:
     """Seconds from the first prompt token to the first greedily sampled token."""
-    from jllama.generate import Generation
+    from jllama.generation.generate import Generation
     from jllama.sampling import argmax
 
     if mode == "batched":
@@ -201,7 +201,7 @@ def time_prefill(backend, mode: str, tokens: list[int]) -> float:
 
 def time_decode(backend, tokens: int) -> tuple[float, int]:
     """(tok/s, tokens timed) of greedy decoding from BOS after the first sampled token."""
-    from jllama.generate import Generation
+    from jllama.generation.generate import Generation
     from jllama.sampling import argmax
 
     steps = min(1 + tokens, backend.config.seq_len)  # BOS's position, then one per token
@@ -209,7 +209,7 @@ def time_decode(backend, tokens: int) -> tuple[float, int]:
     from jllama.backends.base import DeviceLoop
 
     if isinstance(backend, DeviceLoop) and backend.decode == "loop":  # sampled on the device
-        from jllama.device_loop import loop_decoder
+        from jllama.generation.device_loop import loop_decoder
         from jllama.sampling import Sampler
 
         argmax = Sampler(temperature=0.0)
@@ -238,12 +238,12 @@ def _count_compiles() -> list[float]:
 def measure(args: argparse.Namespace) -> dict:
     """The figures of one run (keys as in `bench/run.py`'s METRICS, plus context)."""
     if args.threads:
-        from jllama.runtime import limit_cpu_threads
+        from jllama.platform.runtime import limit_cpu_threads
 
         limit_cpu_threads(args.threads)  # before JAX starts its CPU client
     from jllama.backends import make_backend
-    from jllama.loading import open_model
-    from jllama.weights import weights_dtype
+    from jllama.model.loading import open_model
+    from jllama.model.weights import weights_dtype
 
     out: dict = {}
     compiles = _count_compiles()

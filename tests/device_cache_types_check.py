@@ -2,7 +2,7 @@
 hand where one is lent (CI has none): the JAX backend's logits on each type against the NumPy
 reference holding the same type (graph and fused decode), prefill chunks against decode, the
 device loop's greedy ids against the graph's, and the bytes XLA writes for q8_0 / f16 / bf16
-against `jllama.cache_types`' NumPy encoders. Prints one JSON object (the tolerances to judge
+against `jllama.model.cache_types`' NumPy encoders. Prints one JSON object (the tolerances to judge
 it by are tests/test_cache_types_backends.py's TOLERANCE).
 
 Usage: PYTHONPATH=. python tests/device_cache_types_check.py
@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jllama import cache_types
+from jllama.model import cache_types
 from jllama.backends import make_backend
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs import cache_rows
 from jllama.graphs.attention import write_positions
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 out = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__}
 KV = ModelConfig(dim=128, hidden_dim=160, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,

@@ -9,8 +9,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from jllama.config import ModelConfig
-from jllama.weights import TransformerWeights
+from jllama.model.config import ModelConfig
+from jllama.model.weights import TransformerWeights
 
 # A byte-level vocabulary: the 256 GPT-2 byte characters, one merge ("ĠĠ"), two specials.
 _BYTE_CHARS = (

@@ -5,7 +5,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=4 and asserts on the JSON it wr
 For each model and device count: greedy tokens and logits of the split backend against the
 one-device backend (and, for stories260K, the NumPy reference), in every decode mode and with
 chunked prefill; the per-device shard shapes of every array and the contents of device d's
-wqkv shard; the bytes each device holds against `jllama.sharding.device_memory`; and the
+wqkv shard; the bytes each device holds against `jllama.platform.sharding.device_memory`; and the
 collectives in the compiled HLO of the per-layer programs.
 
 Usage: python tests/sharded_check.py OUT.json [--quick]
@@ -23,13 +23,13 @@ import jax
 import numpy as np
 
 from jllama.backends import make_backend
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.formats.llama2c import read_checkpoint
 from jllama.backends.base import Prefill
-from jllama.generate import Generation
+from jllama.generation.generate import Generation
 from jllama.sampling import Sampler
-from jllama.sharding import device_memory, qkv_row_order
-from jllama.weights import cast_weights, random_weights
+from jllama.platform.sharding import device_memory, qkv_row_order
+from jllama.model.weights import cast_weights, random_weights
 
 STORIES260K = Path(__file__).parent.parent / "jllama" / "data" / "stories260K.bin"
 # TinyLlama-1.1B's shape (dim 2048, hidden 5632, 32 heads, 4 KV heads, vocabulary 32000,
@@ -52,7 +52,7 @@ def q8_0_weights(config, seed):
     import gguf
 
     from jllama.formats import ggml_quants
-    from jllama.quant import Int8Matrix
+    from jllama.model.quant import Int8Matrix
 
     weights = random_weights(config, seed=seed, scale=0.1)
     changes = {}
@@ -189,7 +189,7 @@ def loop_collectives(backend, prompt):
 
 def check_model(name, config, weights, counts, prompt, steps, modes, numpy_ref: bool,
                 cache=("f32", "f32")):
-    """cache: the (key, value) KV cache types of every backend (`jllama.cache_types`)."""
+    """cache: the (key, value) KV cache types of every backend (`jllama.model.cache_types`)."""
     kv = {"cache_type_k": cache[0], "cache_type_v": cache[1]}
     result = {"config": dataclasses.asdict(config), "cache": list(cache), "by_devices": {}}
     one = make_backend("jax", **kv)

@@ -21,8 +21,8 @@ from jllama.backends.base import (
 )
 from jllama.backends.jax_graph import LOOP_CHUNK, JaxGraphBackend
 from jllama.backends.numpy_ref import NumpyBackend
-from jllama.config import ModelConfig
-from jllama.weights import cast_weights, random_weights
+from jllama.model.config import ModelConfig
+from jllama.model.weights import cast_weights, random_weights
 
 PROTOCOLS = (Backend, Prefill, PrefillLogits, DeviceLoop, CompilePlanning, Described)
 
@@ -107,7 +107,7 @@ def test_sharded_programs_are_a_programs():
     from jax.sharding import Mesh
 
     from jllama.graphs.sharded import sharded_programs
-    from jllama.sharding import AXIS
+    from jllama.platform.sharding import AXIS
 
     programs = sharded_programs(Mesh(np.array(jax.devices()[:1]), (AXIS,)))
     assert isinstance(programs, graphs.Programs)

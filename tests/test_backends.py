@@ -10,10 +10,10 @@ import pytest
 from conftest import load_json
 
 from jllama.backends import make_backend
-from jllama.config import ModelConfig
-from jllama.generate import Generation
+from jllama.model.config import ModelConfig
+from jllama.generation.generate import Generation
 from jllama.sampling import Sampler
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 ORACLE = load_json("generate_stories260K.json")["cases"]
 

@@ -15,8 +15,8 @@ from test_prefill import _compiles  # the programs compiled inside a `with` bloc
 from jllama.backends import make_backend
 from jllama.backends.base import BatchDecode
 from jllama.backends.jax_batch import batch_size
-from jllama.config import ModelConfig
-from jllama.weights import cast_weights, random_weights
+from jllama.model.config import ModelConfig
+from jllama.model.weights import cast_weights, random_weights
 
 GQA = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=300,
                   seq_len=600, shared_weights=False)
@@ -173,7 +173,7 @@ def test_errors(gqa_backend):
 def _weights(kind, m, n, rng):
     import ml_dtypes
 
-    from jllama.quant import Int8Matrix, quantize_int8
+    from jllama.model.quant import Int8Matrix, quantize_int8
 
     w = rng.standard_normal((m, n)).astype(np.float32)
     if kind == "bfloat16":
@@ -226,7 +226,7 @@ def _ggml(kind, m, n, rng, repack):
     import gguf
     from test_ggml_kernels import random_blocks
 
-    from jllama.ggml_matrix import GGMLMatrix, RowStack, repacked
+    from jllama.model.ggml_matrix import GGMLMatrix, RowStack, repacked
 
     if kind == "mixed":
         parts = [_ggml(k, rows, n, rng, repack) for k, rows in (("Q4_1", m - 16), ("Q8_0", 8),
@@ -288,7 +288,7 @@ def gguf_backend(tmp_path_factory):
     from gguf_files import write_gguf
     from test_ggml_kernels import random_blocks
 
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
 
     t = gguf.GGMLQuantizationType
     c = GGUF_GQA

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.sampling import Sampler
-from jllama.session import Session
+from jllama.generation.session import Session
 
 TINY = Path(__file__).parent / "data" / "llama32_tiny"
 ORACLE = json.loads((TINY / "llamacpp_f16_cache.json").read_text())

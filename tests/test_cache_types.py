@@ -1,4 +1,4 @@
-"""KV cache types (issue 32): f32, f16, bf16, q8_0 blocks (`jllama.cache_types`, the XLA
+"""KV cache types (issue 32): f32, f16, bf16, q8_0 blocks (`jllama.model.cache_types`, the XLA
 programs' `jllama.graphs.cache_rows`) against independent references: gguf-py's Q8_0 quantizer
 and dequantizer (llama.cpp's own Python package), values worked out by hand with llama.cpp's
 rule, NumPy's and ml_dtypes' float16 / bfloat16 casts. And the plumbing: "auto" by file format,
@@ -15,13 +15,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jllama import cache_types
+from jllama.model import cache_types
 from jllama.backends import make_backend
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import ConfigError
 from jllama.graphs import cache_rows
 from jllama.graphs.attention import write_positions
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 
 # -- block formats --------------------------------------------------------------------------
@@ -146,8 +146,8 @@ def test_bad_types_name_their_flag():
 
 def test_memory_line_and_check_count_the_types(stories260k):
     from jllama.errors import ResourceError
-    from jllama.loading import Model, required_memory
-    from jllama.runtime import check_kv_cache_fits
+    from jllama.model.loading import Model, required_memory
+    from jllama.platform.runtime import check_kv_cache_fits
 
     config, w = stories260k
     model = Model(config=config, weights=w, tokenizer=None, chat_template=None, source="",
@@ -170,8 +170,8 @@ def test_memory_line_and_check_count_the_types(stories260k):
 def test_sessions_default_to_f16_for_gguf_and_f32_for_llama2c(tmp_path, stories260k):
     from gguf_files import write_gguf
 
-    from jllama.loading import open_model
-    from jllama.session import Session
+    from jllama.model.loading import open_model
+    from jllama.generation.session import Session
 
     config = ModelConfig(dim=64, hidden_dim=96, n_layers=1, n_heads=2, n_kv_heads=2,
                          vocab_size=259, seq_len=32)

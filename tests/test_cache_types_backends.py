@@ -1,4 +1,4 @@
-"""The backends on each KV cache type (issue 32; `jllama.cache_types`): the JAX backend in
+"""The backends on each KV cache type (issue 32; `jllama.model.cache_types`): the JAX backend in
 each decode mode against the NumPy reference holding its cache in the same type, prefill chunks
 against token-by-token decode, the device loop against the graph's greedy ids, the batched
 step's rows against each sequence alone, writes in place and compiled once; and jllama's
@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 from test_prefill import _compiles  # the programs compiled inside a `with` block
 
-from jllama import cache_types, kernels
+from jllama.model import cache_types
+
+from jllama import kernels
 from jllama.backends import make_backend
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs import cache_rows
 from jllama.graphs.attention import attend, write_positions
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 KV = ModelConfig(dim=128, hidden_dim=160, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
                  seq_len=300, shared_weights=False)
@@ -145,7 +147,7 @@ def test_the_kernels_read_the_cache(pair):
     key_type, value_type = (cache_types.cache_type(t) for t in pair)
     rng = np.random.default_rng(5)
     c = KV
-    from jllama.rope import rope_frequencies
+    from jllama.model.rope import rope_frequencies
 
     inv_freq = rope_frequencies(c)
     shape = (c.n_kv_heads, 256, c.head_dim)

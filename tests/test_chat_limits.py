@@ -130,8 +130,8 @@ def hostile_models(tmp_path_factory):
     sys.path.insert(0, str(Path(__file__).parent))
     from gguf_files import byte_tokens, write_gguf
 
-    from jllama.config import ModelConfig
-    from jllama.weights import random_weights
+    from jllama.model.config import ModelConfig
+    from jllama.model.weights import random_weights
 
     config = ModelConfig(dim=32, hidden_dim=64, n_layers=1, n_heads=2, n_kv_heads=2,
                          vocab_size=256, seq_len=64, shared_weights=False)
@@ -230,8 +230,8 @@ def test_the_server_answers_a_stopped_rendering_with_a_400_and_keeps_streaming(t
     sys.path.insert(0, str(Path(__file__).parent))
     from gguf_files import byte_tokens, write_gguf
 
-    from jllama.config import ModelConfig
-    from jllama.weights import random_weights
+    from jllama.model.config import ModelConfig
+    from jllama.model.weights import random_weights
 
     config = ModelConfig(dim=32, hidden_dim=64, n_layers=1, n_heads=2, n_kv_heads=2,
                          vocab_size=256, seq_len=2048, shared_weights=False)

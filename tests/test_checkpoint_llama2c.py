@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import STORIES260K
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
 from jllama.formats.llama2c import (
     checkpoint_nbytes,
@@ -17,7 +17,7 @@ from jllama.formats.llama2c import (
     read_header,
     write_checkpoint,
 )
-from jllama.weights import expected_shapes, random_weights
+from jllama.model.weights import expected_shapes, random_weights
 
 GQA_UNSHARED = ModelConfig(
     dim=48, hidden_dim=100, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=96, seq_len=40,

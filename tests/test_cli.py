@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from conftest import STORIES260K, TOK512, TOKENIZER_32K, load_json
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.formats.llama2c import write_checkpoint
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 REPO = Path(__file__).parent.parent
 
@@ -322,7 +322,7 @@ def test_a_long_context_is_capped_at_4096_without_seq_len():
     lines = result.stderr.splitlines()
     assert ("jllama: note: the context is 4096 tokens of the model's 131072; "
             "--seq_len=131072 allocates all of it") in lines
-    # A GGUF file's cache is f16 unless asked (`jllama.cache_types.DEFAULT_GGUF`).
+    # A GGUF file's cache is f16 unless asked (`jllama.model.cache_types.DEFAULT_GGUF`).
     assert any("required memory" in line and "(4096 tokens, f16)" in line for line in lines), lines
     asked = run(f"--checkpoint={gguf_file}", "--steps=3", "--temperature=0", "--prompt=Hi",
                 "--seq_len=8192").stderr

@@ -12,10 +12,10 @@ from conftest import load_json
 from test_cli import REPO, jllama_command, run
 
 from jllama.chat import ChatTemplate
-from jllama.conversation import Conversation
-from jllama.session import Session
-from jllama.fetch import KNOWN_MODELS
-from jllama.loading import open_model
+from jllama.generation.conversation import Conversation
+from jllama.generation.session import Session
+from jllama.platform.fetch import KNOWN_MODELS
+from jllama.model.loading import open_model
 from jllama.sampling import Sampler
 
 
@@ -160,7 +160,7 @@ def test_chat_needs_a_chat_template():
 
 
 def test_interrupted_fetch_leaves_nothing_behind(tmp_path, monkeypatch):
-    from jllama import fetch as fetch_module
+    from jllama.platform import fetch as fetch_module
 
     monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
     models = tmp_path / "models"
@@ -182,8 +182,8 @@ def test_interrupted_fetch_leaves_nothing_behind(tmp_path, monkeypatch):
 def test_fetch_refuses_a_cache_without_room(tmp_path, monkeypatch):
     from collections import namedtuple
 
-    from jllama import fetch as fetch_module
-    from jllama.fetch import FetchError
+    from jllama.platform import fetch as fetch_module
+    from jllama.platform.fetch import FetchError
 
     monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
     usage = namedtuple("usage", "total used free")
@@ -231,8 +231,8 @@ def test_nan_weights_print_no_prompt_echo(tmp_path):
     import numpy as np
     from gguf_files import write_gguf
 
-    from jllama.config import ModelConfig
-    from jllama.weights import random_weights
+    from jllama.model.config import ModelConfig
+    from jllama.model.weights import random_weights
 
     config = ModelConfig(dim=64, hidden_dim=96, n_layers=1, n_heads=4, n_kv_heads=4,
                          vocab_size=259, seq_len=32)

@@ -112,9 +112,9 @@ def test_terminal_chat_ctrl_c_stops_the_reply_not_the_program(smollm2_gguf):
 def test_batch_prints_a_json_line_per_prompt_equal_to_each_alone(tmp_path):
     import json
 
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
     from jllama.sampling import SamplerConfig
-    from jllama.session import Session
+    from jllama.generation.session import Session
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('Once upon a time\n{"prompt": "Tom had a dog", "max_tokens": 6}\n'

@@ -1,4 +1,4 @@
-"""A new process's way to its first token: the persistent compile cache (`jllama.compile_cache`)
+"""A new process's way to its first token: the persistent compile cache (`jllama.platform.compile_cache`)
 across processes, and the start-up times the CLI reports. Each run is a new `jllama` process
 with its own $JLLAMA_HOME; the tokens are checked against run.c's (tests/data)."""
 
@@ -13,8 +13,8 @@ import pytest
 from conftest import load_json
 from test_cli import REPO, jllama_command
 
-from jllama.compile_cache import cache_folder
-from jllama.fetch import jllama_home
+from jllama.platform.compile_cache import cache_folder
+from jllama.platform.fetch import jllama_home
 from jllama.kernels.library import compiler, library_path
 
 # run.c's top-p sample from a 12-token prompt: a prefill chunk, the decode programs and the
@@ -153,8 +153,8 @@ def test_a_short_run_allocates_only_the_cache_blocks_it_reaches():
 
     from jllama.backends.jax_graph import JaxGraphBackend
     from jllama.backends.numpy_ref import NumpyBackend
-    from jllama.config import ModelConfig
-    from jllama.weights import random_weights
+    from jllama.model.config import ModelConfig
+    from jllama.model.weights import random_weights
 
     config = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2,
                          vocab_size=96, seq_len=1024)

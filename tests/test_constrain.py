@@ -19,7 +19,7 @@ from jllama.constrain import (
     ConstrainedSampler, ConstraintError, Grammar, GrammarError, build_vocabulary, masked,
     vocabulary_for,
 )
-from jllama.device_loop import ConstrainedLoopDecoder
+from jllama.generation.device_loop import ConstrainedLoopDecoder
 from jllama.engine import Request, complete_all
 from jllama.sampling import Sampler, SamplerConfig
 

@@ -7,11 +7,11 @@ import pytest
 
 from jllama.backends import make_backend
 from jllama.chat import ChatTemplate
-from jllama.conversation import ContextFullError, Conversation, common_prefix_length
-from jllama.generate import Generation
-from jllama.loading import open_model
+from jllama.generation.conversation import ContextFullError, Conversation, common_prefix_length
+from jllama.generation.generate import Generation
+from jllama.model.loading import open_model
 from jllama.sampling import Sampler
-from jllama.session import Session
+from jllama.generation.session import Session
 
 GREEDY = Sampler(temperature=0.0)
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."

@@ -1,4 +1,4 @@
-"""jllama.convert: the embedded stories260K and a GGUF file to llama2.c versions 1 and 2 and
+"""jllama.model.convert: the embedded stories260K and a GGUF file to llama2.c versions 1 and 2 and
 back, compared with the original arrays."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 from conftest import STORIES260K
 from gguf_files import write_gguf
 
-from jllama.config import ModelConfig
-from jllama.convert import convert
+from jllama.model.config import ModelConfig
+from jllama.model.convert import convert
 from jllama.errors import ConfigError
 from jllama.formats.llama2c import read_checkpoint, read_checkpoint_header
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 FIELDS = ["token_embedding_table", "rms_att_weight", "wq", "wk", "wv", "wo", "rms_ffn_weight",
           "w1", "w2", "w3", "rms_final_weight", "wcls"]

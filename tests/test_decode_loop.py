@@ -15,11 +15,11 @@ from conftest import load_json
 from jllama import graphs
 from jllama.backends import make_backend
 from jllama.backends.jax_graph import LOOP_CHUNK
-from jllama.config import ModelConfig
-from jllama.device_loop import loop_decoder, sampling_kind
-from jllama.generate import Generation
+from jllama.model.config import ModelConfig
+from jllama.generation.device_loop import loop_decoder, sampling_kind
+from jllama.generation.generate import Generation
 from jllama.sampling import Sampler
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 ORACLE = load_json("generate_stories260K.json")["cases"]
 

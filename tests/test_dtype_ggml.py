@@ -1,4 +1,4 @@
-"""--dtype=q4 and --dtype=int8 over GGML blocks (`jllama.weights.cast_weights`), against the gguf
+"""--dtype=q4 and --dtype=int8 over GGML blocks (`jllama.model.weights.cast_weights`), against the gguf
 package's quantizers and dequantizer."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import gguf.quants
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.formats import ggml_quants as gq
-from jllama.ggml_matrix import GGMLMatrix, LayerStack, quantize
-from jllama.weights import cast_weights, random_weights, weights_dtype, weights_nbytes
+from jllama.model.ggml_matrix import GGMLMatrix, LayerStack, quantize
+from jllama.model.weights import cast_weights, random_weights, weights_dtype, weights_nbytes
 
 from test_cli import run
 
@@ -55,7 +55,7 @@ def test_q4_keeps_rows_that_are_not_a_multiple_of_32_and_narrow_ggml_types():
 
 
 def cast_weights_field(matrix, dtype):
-    from jllama.weights import _cast_matrix
+    from jllama.model.weights import _cast_matrix
 
     return _cast_matrix(matrix, dtype)
 

@@ -11,9 +11,9 @@ from test_prefill import _compiles  # the programs compiled inside a `with` bloc
 
 from jllama.backends import make_backend
 from jllama.engine import Request, Scheduler, complete_all
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.sampling import Sampler, SamplerConfig
-from jllama.session import Session
+from jllama.generation.session import Session
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jllama.generate import Generation, resolve_steps
+from jllama.generation.generate import Generation, resolve_steps
 
 
 class Script:

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jllama import ggml_repack, kernels
+from jllama.model import ggml_repack
+
+from jllama import kernels
 from jllama.formats import ggml_quants as gq
-from jllama.ggml_matrix import (GGMLMatrix, LayerStack, RowStack, from_float, q4_0_as_q8_0,
+from jllama.model.ggml_matrix import (GGMLMatrix, LayerStack, RowStack, from_float, q4_0_as_q8_0,
                                 quantize, repacked, stack_rows)
 
 INTEGER_TYPES = (gq.Q8_0, gq.Q4_0, gq.Q4_1, gq.Q5_0, gq.Q5_1, gq.Q2_K, gq.Q3_K, gq.Q4_K,

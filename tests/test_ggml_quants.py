@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError
 from jllama.formats import ggml_quants as gq
 from jllama.formats.ggml_quants import (
@@ -588,7 +588,7 @@ def test_gguf_file_of_every_block_type_reads_like_gguf(tmp_path):
     from gguf_files import write_gguf
 
     from jllama.formats.gguf import read_gguf
-    from jllama.weights import expected_shapes, random_weights
+    from jllama.model.weights import expected_shapes, random_weights
 
     config = K_CONFIG
     weights = random_weights(config, seed=4, scale=0.1)

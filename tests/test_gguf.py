@@ -12,12 +12,12 @@ from gguf_files import write_gguf
 from test_cli import run
 
 from jllama.backends import make_backend
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError, JllamaError
 from jllama.formats import ggml_quants
 from jllama.formats.gguf import read_gguf
-from jllama.loading import open_model
-from jllama.weights import random_weights
+from jllama.model.loading import open_model
+from jllama.model.weights import random_weights
 
 Q = gguf.GGMLQuantizationType
 TINY = ModelConfig(
@@ -98,7 +98,7 @@ def test_dtype_int8_keeps_q8_0_and_q4_0_exactly_as_q8_0_blocks(tmp_path, tiny_we
     reference's logits on the dequantized model; jllama's kernels (activations quantized per 32,
     as llama.cpp's Q8_0 products) give the reference's with quantized activations, and the
     prefill and the decode loop agree with them."""
-    from jllama.ggml_matrix import GGMLMatrix, LayerStack
+    from jllama.model.ggml_matrix import GGMLMatrix, LayerStack
 
     path = write_gguf(tmp_path / "m.gguf", TINY, tiny_weights, types={"*": qtype})
     wide = open_model(path, need_tokenizer=False)
@@ -184,7 +184,7 @@ def test_smollm2_greedy_completion_matches_llama_cpp(smollm2, smollm2_oracle, ba
     llama.cpp's whole continuation: every argmax must be llama.cpp's token, or a near tie
     (logit margin under 1e-3) where f32 rounding may legitimately pick the other one.
     """
-    from jllama.generate import Generation
+    from jllama.generation.generate import Generation
     from jllama.sampling import Sampler
 
     model = open_model(smollm2.source, seq_len=256, dtype="float32")  # the widened weights
@@ -320,8 +320,8 @@ def test_unsupported_type_names_tensor_and_type(bad_files):
 
 
 def test_linear_rope_scaling_is_read(tmp_path, tiny_weights):
-    from jllama.config import RopeScaling
-    from jllama.rope import rope_frequencies
+    from jllama.model.config import RopeScaling
+    from jllama.model.rope import rope_frequencies
 
     path = tmp_path / "linear.gguf"
     write_gguf(path, TINY, tiny_weights)

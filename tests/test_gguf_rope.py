@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from gguf_files import write_gguf
 
-from jllama.config import ModelConfig, RopeScaling
+from jllama.model.config import ModelConfig, RopeScaling
 from jllama.errors import CheckpointError, ConfigError, JllamaError
 from jllama.formats.gguf import config_from_metadata, read_gguf, read_metadata
-from jllama.loading import open_model
-from jllama.rope import rope_frequencies
-from jllama.weights import random_weights
+from jllama.model.loading import open_model
+from jllama.model.rope import rope_frequencies
+from jllama.model.weights import random_weights
 
 Q = gguf.GGMLQuantizationType
 TINY = ModelConfig(

@@ -18,11 +18,11 @@ from hf_models import Spec, build, edit_config, hf_greedy, hf_logits, save
 
 from jllama import Generation, Sampler
 from jllama.backends import make_backend
-from jllama.config import RopeScaling
+from jllama.model.config import RopeScaling
 from jllama.errors import CheckpointError, ConfigError, JllamaError
 from jllama.formats import hf
 from jllama.formats.hf import config_from_hf, is_hf_folder, read_chat_template, read_hf
-from jllama.rope import rope_frequencies
+from jllama.model.rope import rope_frequencies
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

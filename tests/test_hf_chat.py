@@ -13,9 +13,9 @@ from test_tokenizer_hf import BASE, llama3, tiktoken_file  # noqa: F401  (fixtur
 
 from jllama.backends import make_backend
 from jllama.chat import LLAMA3_CHAT_TEMPLATE, ChatTemplate
-from jllama.conversation import Conversation
-from jllama.session import Session
-from jllama.loading import open_model
+from jllama.generation.conversation import Conversation
+from jllama.generation.session import Session
+from jllama.model.loading import open_model
 from jllama.sampling import Sampler
 
 VOCAB = BASE + 256  # the trained base vocabulary, then Llama 3's 256 special tokens

@@ -11,9 +11,9 @@ from hf_models import Spec, build, hf_logits, save
 from test_cli import run
 
 from jllama.backends import make_backend
-from jllama.convert import convert
+from jllama.model.convert import convert
 from jllama.formats.llama2c import read_checkpoint
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 
 # Llama 2 style with llama2.c's fixed settings (rope_theta 1e4, eps 1e-5, head_dim = dim /
 # n_heads, no scaling), so a llama2.c file can hold it whole; GQA 2:1.

@@ -19,7 +19,7 @@ from test_cli import _assert_one_line_error, run
 
 from jllama.errors import TokenizerError
 from jllama.formats.hf import read_hf
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.tokenizers.llama2c import read_tokenizer
 
 LLAMA32_TINY = Path(__file__).parent / "data" / "llama32_tiny" / "hf"

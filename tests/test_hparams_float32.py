@@ -34,7 +34,7 @@ from conftest import TOK512
 from gguf_files import converter_rope_factors, write_gguf
 from test_cli import REPO, jllama_command
 
-from jllama.config import (
+from jllama.model.config import (
     ModelConfig,
     RopeScaling,
     check_norm_eps,
@@ -45,7 +45,7 @@ from jllama.errors import CheckpointError, ConfigError
 from jllama.formats.gguf import read_gguf
 from jllama.formats.llama2c import MAX_GROUP_SCALE, read_checkpoint, write_checkpoint
 from jllama.formats.llama2c_layout import layout
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 DATA = Path(__file__).parent / "data" / "llama32_tiny"
 HF = DATA / "hf"

@@ -21,12 +21,12 @@ from test_backends import GQA_UNSHARED, full_sequence_logits
 
 from jllama import kernels
 from jllama.backends import make_backend
-from jllama.generate import Generation
+from jllama.generation.generate import Generation
 from jllama.graphs.ops import matmul
 from jllama.kernels import library
-from jllama.quant import Int8Matrix, quantize_int8
+from jllama.model.quant import Int8Matrix, quantize_int8
 from jllama.sampling import Sampler
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 kernels.load()
 _matvec = jax.jit(kernels.matvec)
@@ -140,7 +140,7 @@ def test_float_rows_are_both_products_in_one_call(dtype, rows, n):
     """SwiGLU's w1 and w3 in one call (`FloatRows`, the decode block's path): against float64
     NumPy of each after one RMSNorm, and each row the bits a call of its own gives (the same
     64-lane sums), split over threads or not."""
-    from jllama.ggml_matrix import FloatRows
+    from jllama.model.ggml_matrix import FloatRows
 
     rng = np.random.default_rng(rows)
     w1, w3 = (rng.standard_normal((rows, n), dtype=np.float32).astype(dtype) for _ in range(2))
@@ -406,7 +406,7 @@ def test_attention_chunk_refuses_bad_arguments():
 
 def test_the_prefill_attention_calls_the_kernel_only_when_asked_and_it_fits():
     from jllama import graphs
-    from jllama.config import ModelConfig
+    from jllama.model.config import ModelConfig
 
     for head_dim, fits in ((16, kernels.vector_width() >= 8), (8, False)):
         config = ModelConfig(dim=4 * head_dim, hidden_dim=32, n_layers=1, n_heads=4,
@@ -423,7 +423,7 @@ def test_kernel_decode_crosses_cache_blocks_like_the_full_sequence_forward():
     """270 positions: the attention kernel reads the first cache block whole and the second
     in part (graph mode; the loop's block-apart form is checked against the other modes in
     test_decode_loop)."""
-    from jllama.config import ModelConfig
+    from jllama.model.config import ModelConfig
 
     config = ModelConfig(dim=32, hidden_dim=48, n_layers=1, n_heads=4, n_kv_heads=2,
                          vocab_size=64, seq_len=300, shared_weights=False)
@@ -497,7 +497,7 @@ def test_kernel_decode_equals_the_full_sequence_forward(decode):
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_kernel_and_xla_agree_on_narrow_weights(dtype):
     """Both read the same narrow values; only the order of the float32 sums differs."""
-    from jllama.weights import cast_weights
+    from jllama.model.weights import cast_weights
 
     weights = cast_weights(random_weights(GQA_UNSHARED, seed=2, scale=0.08), dtype)
     tokens = list(np.random.default_rng(4).integers(0, 300, 32))
@@ -516,7 +516,7 @@ def test_kernel_and_xla_generate_the_same_story(stories260k):
             sampler = Sampler(0.0)
             loop = None
             if mode == "loop":
-                from jllama.device_loop import loop_decoder
+                from jllama.generation.device_loop import loop_decoder
 
                 loop = loop_decoder(b, sampler, ())
             gen = Generation(b.forward, [1], sampler, steps=200, stop_ids=(),

@@ -1,4 +1,4 @@
-"""jllama's attention kernels over KV caches of each type (`jllama.cache_types`: f32, f16, bf16,
+"""jllama's attention kernels over KV caches of each type (`jllama.model.cache_types`: f32, f16, bf16,
 q8_0; keys and values each their own): the rows `rope_write` stores against NumPy's rounding
 (float16, ml_dtypes.bfloat16) and llama.cpp's CPU q8_0 quantizer written here in NumPy (and
 gguf-py's reference quantizer, which rounds ties the other way), decode attention, the prefill

@@ -15,7 +15,7 @@ import torch
 from conftest import STORIES260K
 
 from jllama.backends import make_backend
-from jllama.config import ModelConfig, RopeScaling
+from jllama.model.config import ModelConfig, RopeScaling
 from jllama.errors import CheckpointError, ConfigError
 from jllama.formats.llama2c import (
     checkpoint_nbytes,
@@ -24,7 +24,7 @@ from jllama.formats.llama2c import (
     read_checkpoint_header,
     write_checkpoint,
 )
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 MAGIC = 0x616B3432  # export.py: struct.pack('I', 0x616b3432), "ak42"
 # dim and hidden_dim multiples of 64, so export.py's default group size 64 is kept.

@@ -31,8 +31,8 @@ from test_cli import run
 from jllama.backends import make_backend
 from jllama.chat import ChatTemplate
 from jllama.formats.gguf import read_gguf
-from jllama.generate import Generation
-from jllama.rope import rope_frequencies
+from jllama.generation.generate import Generation
+from jllama.model.rope import rope_frequencies
 from jllama.sampling import Sampler
 
 DATA = Path(__file__).resolve().parent / "data"

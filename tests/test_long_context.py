@@ -29,9 +29,9 @@ from hf_models import Spec, build, save
 from jllama import graphs
 from jllama.backends import make_backend
 from jllama.formats.hf import read_hf
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.sampling import Sampler
-from jllama.session import Session
+from jllama.generation.session import Session
 
 LLAMA31_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -1,4 +1,4 @@
-"""`jllama.memory`: the memory plan counts every slot's KV cache (bytes worked out by hand from
+"""`jllama.platform.memory`: the memory plan counts every slot's KV cache (bytes worked out by hand from
 the shapes), and a plan bigger than the host is refused in one line before anything big is
 allocated (`jllama serve --parallel=256 --seq_len=8192` on SmolLM2, the issue's case)."""
 
@@ -13,9 +13,9 @@ import pytest
 from test_cli import REPO, jllama_command
 
 from jllama.errors import ResourceError
-from jllama.loading import open_model, required_memory
-from jllama.memory import JAX_START_BYTES, memory_plan, scratch_nbytes
-from jllama.runtime import available_memory_bytes
+from jllama.model.loading import open_model, required_memory
+from jllama.platform.memory import JAX_START_BYTES, memory_plan, scratch_nbytes
+from jllama.platform.runtime import available_memory_bytes
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_the_kv_cache_of_every_slot_is_counted(smollm2):
 
 def test_a_slot_holds_whole_cache_blocks(smollm2):
     from jllama.graphs.attention import MIN_WINDOW
-    from jllama.memory import BLOCK
+    from jllama.platform.memory import BLOCK
 
     assert BLOCK == MIN_WINDOW
     short = dataclasses.replace(smollm2, config=dataclasses.replace(smollm2.config, seq_len=1000))
@@ -55,7 +55,7 @@ def test_a_slot_holds_whole_cache_blocks(smollm2):
 
 
 def test_a_process_without_jax_counts_its_start():
-    code = ("import sys; from jllama.loading import open_model; from jllama.memory import "
+    code = ("import sys; from jllama.model.loading import open_model; from jllama.platform.memory import "
             "memory_plan; p = memory_plan(open_model(need_tokenizer=False)); "
             "print(p.process - p.resident, 'jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""`jllama.packing`: the decode step's matrices end to end in one buffer, in reading order, and
+"""`jllama.model.packing`: the decode step's matrices end to end in one buffer, in reading order, and
 the jax backend's device arrays over that same memory (the addresses worked out by hand from
 the shapes: each matrix starts where the one before ends, rounded up to 64 bytes)."""
 
@@ -11,9 +11,9 @@ import pytest
 from test_backends import GQA_UNSHARED
 
 from jllama.backends import make_backend
-from jllama.packing import ALIGN, DECODE_ORDER, HUGE_PAGE, host_buffer, pack_in_decode_order
-from jllama.quant import Int8Matrix
-from jllama.weights import cast_weights, random_weights, to_graph_weights
+from jllama.model.packing import ALIGN, DECODE_ORDER, HUGE_PAGE, host_buffer, pack_in_decode_order
+from jllama.model.quant import Int8Matrix
+from jllama.model.weights import cast_weights, random_weights, to_graph_weights
 
 
 def _address(a) -> int:

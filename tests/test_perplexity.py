@@ -1,4 +1,4 @@
-"""`jllama perplexity` and `jllama.perplexity`, against references that do not use them:
+"""`jllama perplexity` and `jllama.generation.perplexity`, against references that do not use them:
 
   - a tiny random Llama built and saved by transformers, with a byte-level BPE tokenizer
     trained by `tokenizers`: the perplexity worked out here with torch (transformers' logits,
@@ -21,7 +21,7 @@ from conftest import load_json
 from hf_models import Spec, build, save
 from test_cli import REPO, run
 
-from jllama import perplexity as ppl
+from jllama.generation import perplexity as ppl
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -179,7 +179,7 @@ def test_smollm2_matches_llama_perplexity(smollm2_gguf):
     """SmolLM2's Q4_1 weights dequantized to f32 against llama-perplexity on the same weights
     widened to F32, with f32 attention and cache (see the oracle's `about`)."""
     from jllama.backends import make_backend
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
 
     oracle = load_json(SMOLLM2_PPL)
     assert (REPO / oracle["text"]) == TEXT_FILE

@@ -1,6 +1,6 @@
 """Placing the weights at load: the kernel library's x8 repack (`jllama.kernels.repack`) against
-NumPy's reference (`jllama.ggml_repack`, itself checked against the kernels' own table in
-test_ggml_kernels.py), and `jllama.packing.place_weights` against the NumPy path it replaces
+NumPy's reference (`jllama.model.ggml_repack`, itself checked against the kernels' own table in
+test_ggml_kernels.py), and `jllama.model.packing.place_weights` against the NumPy path it replaces
 (`to_graph_weights`, `repacked`, `pack_in_decode_order`): the same matrices, byte for byte."""
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import pytest
 from gguf_files import byte_tokens, write_gguf
 from test_ggml_kernels import random_blocks
 
-from jllama import ggml_repack, kernels
-from jllama.config import ModelConfig
+from jllama.model import ggml_repack
+
+from jllama import kernels
+from jllama.model.config import ModelConfig
 from jllama.formats import ggml_quants as gq
-from jllama.ggml_matrix import GGMLMatrix, RowStack, is_ggml, repacked
+from jllama.model.ggml_matrix import GGMLMatrix, RowStack, is_ggml, repacked
 from jllama.kernels.repack import COPY, PlaceError, piece, place, repack_x8
-from jllama.loading import open_model
-from jllama.packing import ALIGN, DECODE_ORDER, pack_in_decode_order, place_weights
-from jllama.weights import random_weights, to_graph_weights
+from jllama.model.loading import open_model
+from jllama.model.packing import ALIGN, DECODE_ORDER, pack_in_decode_order, place_weights
+from jllama.model.weights import random_weights, to_graph_weights
 
 pytestmark = pytest.mark.skipif(kernels.vector_width() < 1, reason="unreachable")  # builds it
 

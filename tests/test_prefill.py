@@ -11,10 +11,10 @@ import pytest
 
 from jllama.backends import make_backend
 from jllama.backends.jax_graph import PREFILL_CHUNKS
-from jllama.config import ModelConfig
-from jllama.generate import Generation
+from jllama.model.config import ModelConfig
+from jllama.generation.generate import Generation
 from jllama.sampling import Sampler
-from jllama.weights import random_weights
+from jllama.model.weights import random_weights
 
 GQA = ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=300,
                   seq_len=600, shared_weights=False)
@@ -86,7 +86,7 @@ def test_generation_with_prefill_gives_run_c_story(stories260k):
     from test_cli import STORY
 
     config, weights = stories260k
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
 
     tok = open_model().tokenizer
     prompt = tok.encode("Once upon a time, there was a little girl named Lily.")
@@ -153,7 +153,7 @@ def test_prefill_rejects_what_forward_rejects(gqa):
 def test_fused_decode_gives_the_same_logits_and_story(gqa, stories260k):
     from test_cli import STORY
 
-    from jllama.loading import open_model
+    from jllama.model.loading import open_model
 
     config, weights = gqa
     tokens = [int(t) for t in np.random.default_rng(9).integers(0, config.vocab_size, 300)]
@@ -186,7 +186,7 @@ def test_unknown_decode_mode_is_refused():
 def test_compile_for_leaves_nothing_to_compile_and_changes_no_token(gqa, decode, chunked):
     """After `compile_for` a generation that crosses two cache blocks compiles nothing, and
     its tokens are those of a backend that compiled as it went."""
-    from jllama.device_loop import loop_decoder
+    from jllama.generation.device_loop import loop_decoder
 
     config, weights = gqa
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, 300)]
@@ -219,7 +219,7 @@ def test_compile_for_a_later_turn_keeps_the_earlier_positions(gqa, decode):
     crosses into the 512-position window. `compile_for(..., start=...)` before it leaves
     nothing to compile in the turn and the same tokens as a backend that compiled as it went:
     the programs it runs write only positions >= start, which the turn writes again."""
-    from jllama.device_loop import loop_decoder
+    from jllama.generation.device_loop import loop_decoder
 
     config, weights = gqa
     rng = np.random.default_rng(8)

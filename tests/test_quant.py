@@ -1,4 +1,4 @@
-"""int8 weights with per-row scales (`jllama.quant`, `--dtype=int8`).
+"""int8 weights with per-row scales (`jllama.model.quant`, `--dtype=int8`).
 
 References: values worked out by hand, the dequantized float32 matrices run through the NumPy
 reference backend, and the float32 model's logits."""
@@ -15,11 +15,11 @@ from hypothesis.extra.numpy import arrays
 
 from jllama.backends import make_backend
 from jllama.errors import ConfigError
-from jllama.generate import Generation
-from jllama.loading import open_model
-from jllama.quant import Int8Matrix, concatenate_rows, dequantize, quantize_int8
+from jllama.generation.generate import Generation
+from jllama.model.loading import open_model
+from jllama.model.quant import Int8Matrix, concatenate_rows, dequantize, quantize_int8
 from jllama.sampling import Sampler
-from jllama.weights import cast_weights, to_graph_weights, weights_dtype, weights_nbytes
+from jllama.model.weights import cast_weights, to_graph_weights, weights_dtype, weights_nbytes
 
 
 def test_quantize_by_hand():
@@ -153,7 +153,7 @@ def test_open_model_int8():
 
 
 def test_group_scales_by_hand():
-    from jllama.quant import concatenate_rows, dequantize, group_scales
+    from jllama.model.quant import concatenate_rows, dequantize, group_scales
 
     g = Int8Matrix(q=np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int8),
                    scale=np.array([[0.5, 2.0], [1.0, 0.25]], np.float32))

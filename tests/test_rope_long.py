@@ -28,7 +28,7 @@ from jllama import kernels
 from jllama.formats.gguf import read_gguf
 from jllama.formats.hf import config_from_hf
 from jllama.graphs.ops import rope
-from jllama.rope import rope_cos_sin, rope_frequencies
+from jllama.model.rope import rope_cos_sin, rope_frequencies
 
 LLAMA31_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jllama.errors import SamplerError
-from jllama.generate import Generation
+from jllama.generation.generate import Generation
 from jllama.sampling import (
     LLAMA_CPP_ORDER,
     Candidates,
@@ -188,9 +188,9 @@ def test_conversation_gives_the_sampler_the_whole_conversation():
     # counts the whole context window for its penalties).
     import types
 
-    from jllama.config import ModelConfig
-    from jllama.conversation import Conversation
-    from jllama.session import Session
+    from jllama.model.config import ModelConfig
+    from jllama.generation.conversation import Conversation
+    from jllama.generation.session import Session
 
     logits = np.full(8, -10.0, F32)
     logits[3] = 2.0

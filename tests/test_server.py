@@ -23,7 +23,7 @@ from test_cli import jllama_command, run
 
 from jllama.backends import make_backend
 from jllama.backends import numpy_ref
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.server import ServerThread
 
 MODEL = "stories260K"
@@ -216,7 +216,7 @@ def test_completion_logprobs_equal_the_numpy_reference(client, model):
     ids = tokenizer.encode(PROMPT)
     cache = numpy_ref.KVCache.zeros(config)
     inv_freq = numpy_ref.rope_frequencies(config) if hasattr(numpy_ref, "rope_frequencies") else None
-    from jllama.rope import rope_frequencies
+    from jllama.model.rope import rope_frequencies
 
     inv_freq = rope_frequencies(config)
     sequence = list(ids)

@@ -11,7 +11,7 @@ import pytest
 from test_cli import REPO, jllama_command
 
 from jllama.backends import prepared_backend
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.server import ServerThread
 
 MODEL = "smollm2"

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from jllama.backends import make_backend
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.server import ServerThread
 from jllama.server import protocol
 from jllama.server.transport import MAX_BODY_BYTES

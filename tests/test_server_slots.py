@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from jllama.backends import make_backend
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.server import ServerThread
 
 MODEL = "stories260K"

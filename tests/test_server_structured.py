@@ -21,7 +21,7 @@ import tokenizers
 from constrain_cases import SCHEMAS
 
 from jllama.backends import make_backend
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 from jllama.server import ServerThread
 
 LLAMA32_TINY = Path(__file__).parent / "data" / "llama32_tiny" / "hf"

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from jllama.backends.base import Backend, CompilePlanning, DeviceLoop, Prefill
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import SamplerError
-from jllama.loading import load_model
+from jllama.model.loading import load_model
 from jllama.sampling import Sampler
-from jllama.session import Session
+from jllama.generation.session import Session
 
 VOCAB = 512
 EOS = 2

@@ -1,6 +1,6 @@
-"""Tensor parallelism: the model split over several devices (`jllama.sharding`,
+"""Tensor parallelism: the model split over several devices (`jllama.platform.sharding`,
 `jllama.graphs.sharded`, `make_backend("jax", devices=N)`, `jllama --devices=N`) and over
-several processes (`jllama.distributed`, `--coordinator/--num_processes/--process_id`).
+several processes (`jllama.platform.distributed`, `--coordinator/--num_processes/--process_id`).
 
 The references are independent of the split: the one-device backend (tokens identical, logits
 to 1e-4) and the NumPy reference. Runs with several devices happen in subprocesses started
@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jllama.config import ModelConfig
-from jllama.distributed import DistributedError, check_settings
+from jllama.model.config import ModelConfig
+from jllama.platform.distributed import DistributedError, check_settings
 from jllama.graphs.ops import split_qkv
-from jllama.sharding import ShardingError, check_divisible, device_memory, qkv_row_order
-from jllama.weights import random_weights
+from jllama.platform.sharding import ShardingError, check_divisible, device_memory, qkv_row_order
+from jllama.model.weights import random_weights
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent

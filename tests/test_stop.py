@@ -1,9 +1,9 @@
-"""jllama.stop.StopMatcher on hand-made streams: the released text must equal the text before
+"""jllama.generation.stop.StopMatcher on hand-made streams: the released text must equal the text before
 the first stop string, however the stream is cut into pieces."""
 
 import pytest
 
-from jllama.stop import StopMatcher
+from jllama.generation.stop import StopMatcher
 
 
 def run(stops, pieces):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import ConfigError
-from jllama.weights import random_weights, tensor_stats, to_graph_weights
+from jllama.model.weights import random_weights, tensor_stats, to_graph_weights
 
 GQA = ModelConfig(dim=32, hidden_dim=40, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=20,
                   seq_len=16, shared_weights=False)
@@ -78,7 +78,7 @@ def test_numpy_integers_are_accepted_as_sizes():
 
 def test_kv_cache_larger_than_memory_is_refused_before_allocating():
     from jllama.errors import ResourceError
-    from jllama.runtime import check_kv_cache_fits
+    from jllama.platform.runtime import check_kv_cache_fits
 
     huge = ModelConfig(dim=64, hidden_dim=64, n_layers=1024, n_heads=8, n_kv_heads=8,
                        vocab_size=512, seq_len=1 << 22)

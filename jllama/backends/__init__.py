@@ -20,7 +20,7 @@ def backend_names() -> tuple[str, ...]:
 def make_backend(name: str, **options) -> Backend:
     """A new, unprepared backend by name; `options` go to its constructor (e.g. the jax
     backend's `decode="fused"`, or `devices=4` to split the model over four devices,
-    `jllama.sharding`; both take `cache_type_k` and `cache_type_v`, `jllama.cache_types`).
+    `jllama.platform.sharding`; both take `cache_type_k` and `cache_type_v`, `jllama.model.cache_types`).
 
     Raises:
       ValueError: an unknown name (the message lists the known ones), or options the backend
@@ -46,14 +46,14 @@ def prepared_backend(model, backend: str | Backend = "jax", *, decode: str = "gr
                      matvec: str = "auto", devices: int = 1, cache_type_k="auto",
                      cache_type_v="auto", say=None) -> Backend:
     """`backend` (a name, or an unprepared backend) prepared for `model` (a
-    `jllama.loading.Model`): the KV cache checked against the host's memory first (CPU
+    `jllama.model.loading.Model`): the KV cache checked against the host's memory first (CPU
     backends), the kernels' build announced through `say` when it is about to happen.
 
     Args:
       decode, matvec, devices: the jax backend's settings (ignored for another name): decode
         "fused" makes the one-program decode, any other the per-layer programs.
       cache_type_k, cache_type_v: the KV cache types of a backend made here by name
-        (`jllama.cache_types.resolve`: "auto" is f32, or `DEFAULT_GGUF` for a GGUF file);
+        (`jllama.model.cache_types.resolve`: "auto" is f32, or `DEFAULT_GGUF` for a GGUF file);
         a backend given as an object keeps its own (and other values are a ValueError).
       say: takes lines for the user; None: nothing is said.
 
@@ -62,7 +62,8 @@ def prepared_backend(model, backend: str | Backend = "jax", *, decode: str = "gr
       ResourceError: the KV cache does not fit in the memory available.
       BackendError, ShardingError, ValueError: from the backend (see `make_backend`).
     """
-    from jllama import cache_types, runtime
+    from jllama.model import cache_types
+    from jllama.platform import runtime
     from jllama.backends.base import Described
 
     if isinstance(backend, str):

@@ -5,7 +5,7 @@ A backend turns one token at one position into next-token logits, keeping its ow
 (`Backend`). Positions are given in order from 0 for each sequence; a call at position 0 starts
 a new sequence (nothing from earlier sequences is visible to it).
 
-The other protocols are capabilities a backend may have; `jllama.session.Session` checks them
+The other protocols are capabilities a backend may have; `jllama.generation.session.Session` checks them
 with `isinstance` (each is `runtime_checkable`) and uses what is there:
 
   Prefill          a whole prompt in one call
@@ -25,8 +25,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from jllama.config import ModelConfig
-from jllama.weights import TransformerWeights
+from jllama.model.config import ModelConfig
+from jllama.model.weights import TransformerWeights
 
 
 @runtime_checkable

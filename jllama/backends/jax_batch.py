@@ -26,7 +26,7 @@ from jllama.backends.base import check_token_pos
 from jllama.backends.jax_state import JaxState
 from jllama.graphs.cache_rows import kernel_reads
 from jllama.graphs.batch import BATCH_SIZES, classifier_batch, layer_batch
-from jllama.quant import embedding_rows
+from jllama.model.ggml_matrix import embedding_rows
 
 
 def batch_size(b: int) -> int:

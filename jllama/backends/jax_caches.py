@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jllama import graphs
-from jllama.cache_types import CacheType
-from jllama.config import ModelConfig
+from jllama.model.cache_types import CacheType
+from jllama.model.config import ModelConfig
 
 
 class LazyBlocks(list):

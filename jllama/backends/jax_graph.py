@@ -8,7 +8,7 @@ and compiled once (in `prepare`, by a warm-up step) and replayed for every layer
 blocks of 256 positions (`graphs.attention`), passed whole to the programs.
 
 With `devices=N` (or a `mesh`) the same programs run split over N devices, tensor-parallel
-(`jllama.sharding`: every device holds its heads' and hidden units' slice of every layer and
+(`jllama.platform.sharding`: every device holds its heads' and hidden units' slice of every layer and
 its KV heads' caches; `jllama.graphs.sharded`: the programs with their output layouts).
 
 The backend is assembled from one module per job, each a class over the shared state that
@@ -27,21 +27,21 @@ from jax.sharding import Mesh
 
 from jllama import graphs
 from jllama import kernels
-from jllama.cache_types import cache_type as _cache_type
+from jllama.model.cache_types import cache_type as _cache_type
 from jllama.backends.jax_batch import BatchSteps
 from jllama.backends.jax_caches import LazyBlocks, layer_caches
 from jllama.backends.jax_compile import CompilePlan
 from jllama.backends.jax_loop import LOOP_CHUNK, LOOP_STOP_IDS
 from jllama.backends.jax_prefill import PREFILL_CHUNKS
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs.cache_rows import KERNEL_CACHE_DTYPES
 from jllama.errors import BackendError
-from jllama.ggml_matrix import for_xla, is_ggml
-from jllama.packing import pack_in_decode_order, place_weights
-from jllama.rope import rope_frequencies
-from jllama.runtime import available_cpus
-from jllama.sharding import TensorParallel
-from jllama.weights import (
+from jllama.model.ggml_matrix import for_xla, is_ggml
+from jllama.model.packing import pack_in_decode_order, place_weights
+from jllama.model.rope import rope_frequencies
+from jllama.platform.runtime import available_cpus
+from jllama.platform.sharding import TensorParallel
+from jllama.model.weights import (
     TransformerWeights,
     check_shapes,
     to_graph_weights,
@@ -78,12 +78,12 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
       decode: one of `DECODE_MODES`.
       devices: split the model over this many devices (the first N of `jax.devices()`,
         across every process of a `jax.distributed` run), tensor-parallel as
-        `jllama.sharding` lays it out; 1 (the default) runs on `device`.
-      mesh: a 1-D `jax.sharding.Mesh` with axis `jllama.sharding.AXIS` to split the model
+        `jllama.platform.sharding` lays it out; 1 (the default) runs on `device`.
+      mesh: a 1-D `jax.sharding.Mesh` with axis `jllama.platform.sharding.AXIS` to split the model
         over instead (then `devices` is ignored).
       matvec: one of `MATVEC`; resolved to "xla" or "kernel" by `prepare`.
       cache_type_k, cache_type_v: the KV cache types of the keys and of the values
-        (`jllama.cache_types`: "f32", "f16", "bf16", "q8_0", or a `CacheType`): each block is
+        (`jllama.model.cache_types`: "f32", "f16", "bf16", "q8_0", or a `CacheType`): each block is
         stored in its type, rows rounded as they are written and widened to float32 as they
         are read.
 
@@ -93,7 +93,7 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
       BackendError: JAX cannot start its default device (e.g. JAX_PLATFORMS names a missing
         platform).
       ShardingError (at `prepare`): the model does not split over the devices
-        (`jllama.sharding.check_divisible`), or there are fewer devices than asked.
+        (`jllama.platform.sharding.check_divisible`), or there are fewer devices than asked.
       KernelBuildError (at `prepare`, a `BackendError`): matvec="kernel" and the kernels do
         not build here, or the model is not on one CPU device.
 
@@ -101,14 +101,14 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
       name: "jax".
       compile_seconds: wall time of the warm-up step in `prepare` (tracing + compiling the four
         programs), seconds.
-      tensor_parallel: the `jllama.sharding.TensorParallel` layout after `prepare` when split
+      tensor_parallel: the `jllama.platform.sharding.TensorParallel` layout after `prepare` when split
         over several devices, else None.
       sharding_notes: what `prepare` replicated instead of splitting (one line each).
       matvec: "xla" or "kernel" after `prepare` (the requested mode before).
       matvec_note: why matvec="auto" chose "xla" on a CPU (the kernels' build error, one
         line), or "" when it did not.
       weights_note: how `prepare` converted GGML blocks for XLA's products, or "".
-      cache_types: (key, value) `jllama.cache_types.CacheType`s.
+      cache_types: (key, value) `jllama.model.cache_types.CacheType`s.
       cache_note: why attention runs in XLA beside the kernels' products (a cache type the
         kernels do not read), or "".
       loop_chunk: `LOOP_CHUNK`, the most tokens one `decode_loop` call samples.
@@ -171,7 +171,7 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         types, `jax_caches.layer_caches`) and compile the programs.
 
         Weight matrices keep their dtype on the device (float32; bfloat16: half the bytes;
-        int8 `jllama.quant.Int8Matrix`: a quarter; both widened to float32 inside each
+        int8 `jllama.model.quant.Int8Matrix`: a quarter; both widened to float32 inside each
         product); the caches hold their cache types; activations and logits are float32.
 
         Raises:
@@ -190,9 +190,9 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         tp = self.tensor_parallel
         if self.matvec == "kernel":  # one CPU device
             # Straight from the file into one buffer in reading order, which device_put aliases
-            # rather than copies (`jllama.packing.place_weights`); GGML blocks eight rows at a
+            # rather than copies (`jllama.model.packing.place_weights`); GGML blocks eight rows at a
             # time where the kernels have that path (AVX2 or AVX-512): the same bytes, 2-3x
-            # faster products (`jllama.ggml_repack`).
+            # faster products (`jllama.model.ggml_repack`).
             layers, wcls = place_weights(weights, x8=kernels.vector_width() >= 8,
                                          threads=available_cpus())
             self.layers, self.rms_final_weight, self.wcls = jax.device_put(
@@ -233,7 +233,7 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
         order)."""
         host = to_graph_weights(weights)
         # XLA's products cannot read GGML blocks: Q8_0 / Q4_0 become grouped int8 (exact),
-        # other types float32 (`jllama.ggml_matrix.for_xla`).
+        # other types float32 (`jllama.model.ggml_matrix.for_xla`).
         leaves = jax.tree_util.tree_leaves(host, is_leaf=is_ggml)
         converted = {id(m): for_xla(m) for m in leaves if is_ggml(m)}  # a tied table once
         host = jax.tree_util.tree_map(lambda m: converted.get(id(m), m), host, is_leaf=is_ggml)
@@ -251,7 +251,7 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
             layers, wcls = host.layers, host.wcls
             if self.device.platform == "cpu":
                 # One buffer in reading order, which device_put aliases rather than copies
-                # (`jllama.packing`): the matrices end to end stream faster.
+                # (`jllama.model.packing`): the matrices end to end stream faster.
                 layers, wcls = pack_in_decode_order(layers, wcls)
             self.layers, self.rms_final_weight, self.wcls = jax.device_put(
                 (layers, host.rms_final_weight, wcls), self.device
@@ -286,7 +286,7 @@ class JaxGraphBackend(CompilePlan, BatchSteps):
     def _split_over_devices(self, config: ModelConfig) -> None:
         """Choose the mesh and the layout, and the programs that run under it."""
         from jllama.graphs.sharded import sharded_programs
-        from jllama.sharding import check_divisible, tensor_parallel
+        from jllama.platform.sharding import check_divisible, tensor_parallel
 
         if self._mesh is not None:
             self.sharding_notes = check_divisible(config, self._mesh.size)

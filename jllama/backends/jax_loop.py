@@ -134,8 +134,8 @@ class DeviceLoopSteps(JaxState):
         if self.tensor_parallel is None:
             table = self.token_embedding_table
             if self.matvec == "kernel":  # device_put aliases it, not copies (`packing`)
-                from jllama.packing import aliasable
-                from jllama.runtime import available_cpus
+                from jllama.model.packing import aliasable
+                from jllama.platform.runtime import available_cpus
 
                 table = aliasable(table, available_cpus())
             return jax.device_put(table, self.device)

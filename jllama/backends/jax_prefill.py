@@ -11,8 +11,8 @@ import numpy as np
 from jllama import graphs
 from jllama.backends.base import check_token_pos
 from jllama.backends.jax_step import DecodeStep
-from jllama.quant import embedding_rows
-from jllama.rope import rope_cos_sin
+from jllama.model.ggml_matrix import embedding_rows
+from jllama.model.rope import rope_cos_sin
 
 PREFILL_CHUNKS = (256, 64, 8)
 """Token counts a prefill chunk may have (compiled shapes); a prompt is cut greedily into

@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs import Programs
-from jllama.sharding import TensorParallel
+from jllama.platform.sharding import TensorParallel
 
 
 class JaxState:
@@ -40,7 +40,7 @@ class JaxState:
       key_cache, value_cache: per layer, a list of blocks [n_kv_heads, block_length,
         row_length] of the key (value) cache type (`jax_caches.layer_caches`; f32[...,
         head_dim] for f32); _zero_blocks: one block of zeros of each (key, value).
-      cache_types: the (key, value) `jllama.cache_types.CacheType`s (set by `__init__`).
+      cache_types: the (key, value) `jllama.model.cache_types.CacheType`s (set by `__init__`).
       _compiled: the keys of what compile planning need not run again (`jax_compile`).
     """
 

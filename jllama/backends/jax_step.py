@@ -13,7 +13,7 @@ import numpy as np
 from jllama import graphs
 from jllama.backends.base import check_token_pos
 from jllama.backends.jax_state import JaxState
-from jllama.quant import embedding_rows
+from jllama.model.ggml_matrix import embedding_rows
 
 
 class DecodeStep(JaxState):

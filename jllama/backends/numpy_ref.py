@@ -8,10 +8,10 @@ Each step can be called on its own from a research script, for example::
     xb = ref.rmsnorm(x, weights.rms_att_weight[0], config.norm_eps)
     q, k, v = ref.qkv_projection(xb, weights.wq[0], weights.wk[0], weights.wv[0])
 
-Shapes follow `jllama.weights.TransformerWeights` (matrices out x in). A layer's KV cache is
+Shapes follow `jllama.model.weights.TransformerWeights` (matrices out x in). A layer's KV cache is
 head-major, `key_cache: f32[n_kv_heads, seq_len, head_dim]`, the same layout the JAX backend
 uses, so the two can be compared entry by entry. It may hold another KV cache type
-(`jllama.cache_types`: f16, bf16, q8_0's bytes [n_kv_heads, seq_len, head_dim / 32 * 34]): rows
+(`jllama.model.cache_types`: f16, bf16, q8_0's bytes [n_kv_heads, seq_len, head_dim / 32 * 34]): rows
 are rounded to it as they are written (`cache_types.encode`) and widened to float32 as they are
 read (`cache_types.decode`), all else float32, as the JAX backend does.
 """
@@ -22,11 +22,11 @@ import dataclasses
 
 import numpy as np
 
-from jllama import cache_types
+from jllama.model import cache_types
 from jllama.backends.base import check_token_pos
-from jllama.config import ModelConfig
-from jllama.rope import rope_cos_sin, rope_frequencies
-from jllama.weights import (
+from jllama.model.config import ModelConfig
+from jllama.model.rope import rope_cos_sin, rope_frequencies
+from jllama.model.weights import (
     TransformerWeights,
     cast_weights,
     check_shapes,
@@ -73,7 +73,7 @@ def rope(vec: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
     by the angle `pos * inv_freq[i]`.
 
     vec: f32[n_heads * head_dim] (queries or keys, heads concatenated);
-    inv_freq: f32[head_dim // 2] from `jllama.rope.rope_frequencies`. Returns a new array.
+    inv_freq: f32[head_dim // 2] from `jllama.model.rope.rope_frequencies`. Returns a new array.
     """
     half = inv_freq.shape[0]
     pairs = vec.reshape(-1, half, 2)
@@ -89,7 +89,7 @@ def cache_write(
 ) -> None:
     """Store this position's key and value in one layer's cache, IN PLACE (the one step that
     mutates: copying the cache every token would cost O(seq_len) per step), rounded to each
-    cache's type (`jllama.cache_types.encode`; its dtype says which).
+    cache's type (`jllama.model.cache_types.encode`; its dtype says which).
 
     key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim] (or another cache type's
     [n_kv_heads, seq_len, row_length]); k, v: f32[kv_dim].
@@ -114,7 +114,7 @@ def attention(
     key/value head `h // kv_mul` (grouped-query attention).
 
     q: f32[n_heads * head_dim]; key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim], or
-    another cache type's (widened to float32 by `jllama.cache_types.decode`)
+    another cache type's (widened to float32 by `jllama.model.cache_types.decode`)
     -> f32[n_heads * head_dim].
     """
     keys = cache_types.decode(key_cache[:, : pos + 1, :])
@@ -150,7 +150,7 @@ def classifier(
 class KVCache:
     """Key and value caches of all layers: f32[n_layers, n_kv_heads, seq_len, head_dim] each,
     or [n_layers, n_kv_heads, seq_len, row_length] of another cache type's dtype
-    (`jllama.cache_types`)."""
+    (`jllama.model.cache_types`)."""
 
     key_cache: np.ndarray
     value_cache: np.ndarray
@@ -200,7 +200,7 @@ class NumpyBackend:
 
     Args:
       cache_type_k, cache_type_v: the KV cache types of the keys and values
-        (`jllama.cache_types`; names or `CacheType`s).
+        (`jllama.model.cache_types`; names or `CacheType`s).
 
     Raises:
       ConfigError: an unknown cache type; (at `prepare`) q8_0 for a head_dim that is not a
@@ -210,7 +210,7 @@ class NumpyBackend:
       name: "numpy".
       platform: "cpu".
       weights_note: how `prepare` widened quantized weights (one line), or "".
-      cache_types: (key, value) `jllama.cache_types.CacheType`s.
+      cache_types: (key, value) `jllama.model.cache_types.CacheType`s.
     """
 
     name = "numpy"

@@ -13,7 +13,7 @@ bounded in size before it runs by `jllama.chat.limits`). A rendering that ends f
 dictionary entry. The watcher is the one piece of process state here: a thread per rendering
 would cost more than the rendering.
 
-Memory is the process's resident set (`jllama.runtime.rss_bytes`, Linux's VmRSS; elsewhere
+Memory is the process's resident set (`jllama.platform.runtime.rss_bytes`, Linux's VmRSS; elsewhere
 only time is watched), read when the watcher first sees a rendering and at each look after: what other
 threads allocate in the meantime counts too, which `MAX_TEMPLATE_GROWTH` leaves room for.
 """
@@ -24,7 +24,7 @@ import ctypes
 import threading
 import time
 
-from jllama.runtime import rss_bytes
+from jllama.platform.runtime import rss_bytes
 
 MAX_TEMPLATE_SECONDS = 2.0
 """Wall-clock seconds one rendering may take (real templates take well under 1 ms)."""

@@ -27,7 +27,7 @@ from jllama.cli import options as cli_options
 from jllama.cli.common import fail, no_arguments, silence_stdout
 from jllama.cli.flags import FLAGS
 from jllama.errors import JllamaError
-from jllama.files import require_regular_file
+from jllama.platform.files import require_regular_file
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs"
 """The repository's presets (`configs/*.flags`), found from any folder."""

@@ -16,16 +16,16 @@ import dataclasses
 import json
 import sys
 
-from jllama import runtime
+from jllama.platform import runtime
 from jllama.cli.common import (
     compile_programs, device_count, kv_cache_types, one_process, open_session, say,
 )
 from jllama.cli.options import Options
 from jllama.engine import Request, complete_all
 from jllama.errors import JllamaError
-from jllama.files import parse_json, require_regular_file
-from jllama.loading import open_model, required_memory
-from jllama.memory import check_memory
+from jllama.platform.files import parse_json, require_regular_file
+from jllama.model.loading import open_model, required_memory
+from jllama.platform.memory import check_memory
 from jllama.sampling import SamplerSettingError, check_setting, seed_from_clock
 
 

@@ -15,7 +15,7 @@ import threading
 
 from jllama.cli.common import rates, say
 from jllama.cli.options import TextOptions
-from jllama.conversation import ContextFullError
+from jllama.generation.conversation import ContextFullError
 from jllama.errors import ChatError, JllamaError
 
 

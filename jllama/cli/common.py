@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import sys
 
-from jllama import compile_cache
+from jllama.platform import compile_cache
 from jllama.cli.options import ModelOptions, Options, RunOptions
 from jllama.errors import BackendError, JllamaError
-from jllama.generate import GenerationStats
-from jllama.session import Session
+from jllama.generation.generate import GenerationStats
+from jllama.generation.session import Session
 
 
 def say(line: str) -> None:
@@ -82,7 +82,7 @@ def compile_programs(run: RunOptions, speak: bool = True) -> compile_cache.Compi
 def note_seq_len(options: Options, model) -> None:
     """Says so when --seq_len asked for more context than the model has (it is capped), or
     when, without --seq_len, the model's context was capped at DEFAULT_CONTEXT (and how to
-    have it all). model: a `jllama.loading.Model`."""
+    have it all). model: a `jllama.model.loading.Model`."""
     config = model.config
     if options.seq_len_asked > config.seq_len:
         say(f"note: --seq_len={options.seq_len_asked} is more than the model's context; "
@@ -109,7 +109,7 @@ def device_count(run: RunOptions, config, several: bool) -> int:
 
         n = jax.device_count()
     if n > 1 or several:
-        from jllama.sharding import ShardingError, check_divisible, make_mesh
+        from jllama.platform.sharding import ShardingError, check_divisible, make_mesh
 
         try:
             check_divisible(config, n)
@@ -120,14 +120,14 @@ def device_count(run: RunOptions, config, several: bool) -> int:
 
 
 def kv_cache_types(run: RunOptions, model) -> tuple:
-    """The (key, value) `jllama.cache_types.CacheType`s of --cache_type, --cache_type_k and
-    --cache_type_v for `model` (a `jllama.loading.Model`; "auto" by its file format).
+    """The (key, value) `jllama.model.cache_types.CacheType`s of --cache_type, --cache_type_k and
+    --cache_type_v for `model` (a `jllama.model.loading.Model`; "auto" by its file format).
 
     Raises:
       ConfigError: q8_0 for a model whose head_dim is not a multiple of 32 (one line naming
         the flag).
     """
-    from jllama import cache_types
+    from jllama.model import cache_types
 
     return cache_types.resolve(run.cache_type_k, run.cache_type_v, model.file_format,
                                model.config.head_dim, flags=run.cache_flags)
@@ -137,7 +137,7 @@ def open_session(model, run: RunOptions, n_devices: int, speak: bool = True,
                  **options) -> Session:
     """`Session.prepare` with the --backend, --decode, --matvec, --prefill, --cache_type
     settings, the library's errors renamed to the flags, its lines said when `speak`."""
-    from jllama.sharding import ShardingError
+    from jllama.platform.sharding import ShardingError
 
     def say_flags(line: str) -> None:  # the backend's settings are flags here
         say(line.replace("(matvec=", "(--matvec="))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from absl import flags
 
-from jllama import runtime
+from jllama.platform import runtime
 from jllama.backends import backend_names
 
 FLAGS = flags.FLAGS

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from jllama import runtime
+from jllama.platform import runtime
 from jllama.cli import chat
 from jllama.cli.common import (
     compile_programs, device_count, kv_cache_types, note_seq_len, open_session, rates, say,
@@ -17,10 +17,10 @@ from jllama.cli.common import (
 )
 from jllama.cli.options import Options, RunOptions
 from jllama.errors import JllamaError
-from jllama.generate import GenerationStats, resolve_steps
-from jllama.loading import open_model, required_memory
+from jllama.generation.generate import GenerationStats, resolve_steps
+from jllama.model.loading import open_model, required_memory
 from jllama.sampling import Sampler
-from jllama.weights import tensor_stats
+from jllama.model.weights import tensor_stats
 
 
 def main(options: Options) -> int:
@@ -51,7 +51,7 @@ def main(options: Options) -> int:
     sampler = Sampler.from_config(options.sampling.config)
     seed = sampler.config.seed
     if several:  # every process samples with process 0's seed (a clock seed differs)
-        from jllama.distributed import agree
+        from jllama.platform.distributed import agree
 
         low, high = agree([seed & 0xFFFFFFFF, seed >> 32])
         seed = low | high << 32
@@ -166,7 +166,7 @@ def _prompt_ids(text, model, several: bool, speak: bool) -> list[int]:
         warn_invalid_utf8(text.prompt, tokenizer)
     prompt_ids = tokenizer.encode(text.prompt, parse_special=text.parse_special)
     if several:  # process 0's prompt is the one every process feeds
-        from jllama.distributed import agree
+        from jllama.platform.distributed import agree
 
         prompt_ids = agree(prompt_ids)
     if not prompt_ids:
@@ -221,7 +221,7 @@ def _start_processes(run: RunOptions) -> bool:
     if run.backend != "jax":
         raise JllamaError("--num_processes and --coordinator need --backend=jax")
     from jllama.cli.common import as_flag
-    from jllama.distributed import DistributedError, start
+    from jllama.platform.distributed import DistributedError, start
 
     try:
         start(run.coordinator, run.num_processes, run.process_id)
@@ -242,6 +242,6 @@ def _keep_stdout_for_text(speak: bool) -> None:
 
 
 def _is_main_process() -> bool:
-    from jllama.distributed import is_main_process
+    from jllama.platform.distributed import is_main_process
 
     return is_main_process()

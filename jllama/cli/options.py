@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jllama import cache_types
+from jllama.model import cache_types
 from jllama.cli.flags import FLAGS
 from jllama.errors import JllamaError
 from jllama.sampling import FILTERS, SamplerConfig
@@ -63,8 +63,8 @@ class RunOptions:
     """(flag, value) of the jax backend's modes given on the command line (not auto)."""
     cache_type_k: str = cache_types.AUTO
     cache_type_v: str = cache_types.AUTO
-    """The KV cache types asked for (`jllama.cache_types` names, or "auto": resolved for the
-    model by `jllama.cache_types.resolve`), from --cache_type, --cache_type_k, --cache_type_v."""
+    """The KV cache types asked for (`jllama.model.cache_types` names, or "auto": resolved for the
+    model by `jllama.model.cache_types.resolve`), from --cache_type, --cache_type_k, --cache_type_v."""
     cache_flags: tuple[str, str] = ("cache_type", "cache_type")
     """The flag each of the two came from, for the messages."""
 
@@ -236,7 +236,7 @@ def constraint() -> Grammar | None:
 
 def _is_json(text: str) -> bool:
     """Whether `text` is one JSON value (a number, true, null ...), not a file's name."""
-    from jllama.files import parse_json
+    from jllama.platform.files import parse_json
 
     try:
         parse_json(text)
@@ -247,7 +247,7 @@ def _is_json(text: str) -> bool:
 
 def _read(flag: str, path: str) -> str:
     """The UTF-8 text of the file a flag names (JllamaError naming the flag otherwise)."""
-    from jllama.files import require_regular_file
+    from jllama.platform.files import require_regular_file
 
     require_regular_file(Path(path), f"--{flag}={path}", JllamaError)
     try:

@@ -1,4 +1,4 @@
-"""`jllama perplexity`: the PPL of --file in chunks of --ctx tokens (`jllama.perplexity`), as
+"""`jllama perplexity`: the PPL of --file in chunks of --ctx tokens (`jllama.generation.perplexity`), as
 llama.cpp's llama-perplexity."""
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ import math
 import re
 import sys
 
-from jllama import runtime
+from jllama.platform import runtime
 from jllama.cli.common import (
     compile_programs, device_count, kv_cache_types, one_process, open_session, say,
 )
 from jllama.cli.options import Options
 from jllama.cli.serve import model_id
 from jllama.errors import JllamaError
-from jllama.loading import open_model, required_memory
-from jllama.weights import weights_dtype
+from jllama.model.loading import open_model, required_memory
+from jllama.model.weights import weights_dtype
 
 
 def main(options: Options) -> int:
-    from jllama import perplexity as ppl
+    from jllama.generation import perplexity as ppl
 
     def flagged(e: JllamaError) -> JllamaError:  # the library's ctx and chunks= are flags here
         return type(e)(re.sub(r"(?<![-\w])(ctx\b|chunks=)", r"--\1", str(e)))

@@ -5,15 +5,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jllama import runtime
+from jllama.platform import runtime
 from jllama.cli.common import (
     compile_programs, device_count, kv_cache_types, note_seq_len, one_process, open_session,
     say,
 )
 from jllama.cli.options import Options
-from jllama.fetch import KNOWN_MODELS
-from jllama.loading import open_model, required_memory
-from jllama.memory import check_memory
+from jllama.platform.fetch import KNOWN_MODELS
+from jllama.model.loading import open_model, required_memory
+from jllama.platform.memory import check_memory
 
 
 def model_id(options: Options) -> str:

@@ -7,7 +7,7 @@ import sys
 from jllama.cli.generate import warn_invalid_utf8
 from jllama.cli.options import Options
 from jllama.errors import JllamaError
-from jllama.fetch import KNOWN_MODELS, fetch as fetch_model
+from jllama.platform.fetch import KNOWN_MODELS, fetch as fetch_model
 
 
 def fetch(options: Options, args: list[str]) -> int:
@@ -23,7 +23,7 @@ def tokenize(options: Options) -> int:
     header alone), or --tokenizer alone when no checkpoint is given (as llama.cpp's
     llama-tokenize needs only a vocabulary, a vocab-only GGUF included)."""
     m, text = options.model, options.text
-    from jllama.fetch import resolve_checkpoint
+    from jllama.platform.fetch import resolve_checkpoint
     from jllama.formats.gguf import is_gguf
     from jllama.tokenizers.files import open_tokenizer
 
@@ -34,7 +34,7 @@ def tokenize(options: Options) -> int:
         # A GGUF's vocabulary is in its header: no tensors read (a vocab-only file works).
         tokenizer = open_tokenizer(resolve_checkpoint(m.checkpoint))
     else:
-        from jllama.loading import open_model
+        from jllama.model.loading import open_model
 
         tokenizer = open_model(m.checkpoint, m.tokenizer, seq_len=m.seq_len).tokenizer
     warn_invalid_utf8(text.prompt, tokenizer)
@@ -52,7 +52,7 @@ def convert(options: Options) -> int:
     m, t = options.model, options.tools
     if not m.checkpoint or not t.output:
         raise JllamaError("convert needs --checkpoint=SOURCE and --output=FILE.bin")
-    from jllama.convert import convert as convert_checkpoint
+    from jllama.model.convert import convert as convert_checkpoint
 
     try:
         report = convert_checkpoint(

@@ -95,7 +95,7 @@ class Grammar:
     def json_schema(cls, schema: str | dict | bool, *, lenient: bool = False) -> Grammar:
         """A JSON schema (a dict, a bool, or its JSON text); see `of`."""
         if isinstance(schema, str):
-            from jllama.files import parse_json
+            from jllama.platform.files import parse_json
 
             try:
                 schema = parse_json(schema)

@@ -3,7 +3,7 @@
 A `Scheduler` holds `n_slots` KV caches (`Session.new_slot`). Requests wait in a first-in,
 first-out queue and are admitted into free slots; each `step` computes the next logits of
 every decoding request in one batched step (`Session.decode_batch`), then advances each
-running request by one token (`jllama.streaming.Completion` with each_token: a token that
+running request by one token (`jllama.generation.streaming.Completion` with each_token: a token that
 releases no text yet makes an empty piece, which is not kept) or one prefill chunk, in slot
 order, so a new request's first token waits for one round of the others rather than for them
 to finish.
@@ -27,9 +27,9 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from jllama.conversation import common_prefix_length
+from jllama.generation.conversation import common_prefix_length
 from jllama.sampling import Sampler, SamplerConfig
-from jllama.streaming import Text
+from jllama.generation.streaming import Text
 
 if TYPE_CHECKING:  # llguidance is imported only where a grammar is used
     from jllama.constrain import Grammar
@@ -107,7 +107,7 @@ class Scheduler:
     """Requests over the slots of one `Session`, advanced in rounds.
 
     Args:
-      session: the `jllama.session.Session` (its backend must have `SlotCaches`).
+      session: the `jllama.generation.session.Session` (its backend must have `SlotCaches`).
       n_slots: KV caches, i.e. requests running at once (>= 1).
       reuse_prefix: admit a request into the free slot sharing the longest prefix with its
         prompt and feed only the rest.

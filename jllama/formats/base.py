@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jllama.config import ModelConfig
-from jllama.weights import TransformerWeights
+from jllama.model.config import ModelConfig
+from jllama.model.weights import TransformerWeights
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

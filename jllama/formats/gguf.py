@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from jllama.errors import CheckpointError, TokenizerError
-from jllama.files import require_regular_file
+from jllama.platform.files import require_regular_file
 from jllama.formats import ggml_quants
 from jllama.formats.base import ModelFile
 from jllama.formats.gguf_config import (  # noqa: F401 (re-exported: names of this module)
@@ -44,7 +44,7 @@ from jllama.formats.gguf_config import (  # noqa: F401 (re-exported: names of th
 )
 from jllama.formats.gguf_header import GGUFHeader, read_header
 from jllama.formats.tensor_names import TensorNames
-from jllama.weights import TransformerWeights, expected_shapes
+from jllama.model.weights import TransformerWeights, expected_shapes
 
 _MATRIX_FIELDS = frozenset(
     {"token_embedding_table", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wcls"}
@@ -146,7 +146,7 @@ def read_gguf(
       seq_len: cap on the context the KV cache is sized for (tokens); None = the model's
         `llama.context_length`.
       stored: keep the weights as the file stores them: each quantized (and F16) weight matrix
-        as GGML blocks, `jllama.ggml_matrix.GGMLMatrix` (a [vocab_size, dim] table) or
+        as GGML blocks, `jllama.model.ggml_matrix.GGMLMatrix` (a [vocab_size, dim] table) or
         `LayerStack` (a matrix per layer, each in its own type), views of the memory-mapped
         file, nothing converted; BF16 as bfloat16, F32 as float32. False: every tensor
         dequantized to float32.
@@ -239,7 +239,7 @@ _FLOAT_TYPES = frozenset({ggml_quants.F32, ggml_quants.BF16})
 def _field_array(field: str, layers: dict, shape: tuple[int, ...], stored: bool, source: str):
     """One `TransformerWeights` field from its tensors ({layer or None: (name, tensor, type_id,
     shape)}): float32 (dequantized), bfloat16, or GGML blocks as stored (see `read_gguf`)."""
-    from jllama.ggml_matrix import GGMLMatrix, LayerStack
+    from jllama.model.ggml_matrix import GGMLMatrix, LayerStack
 
     types = {type_id for _, _, type_id, _ in layers.values()}
     keep_blocks = stored and field in _MATRIX_FIELDS and not types <= _FLOAT_TYPES

@@ -23,7 +23,7 @@ ggml's rope):
     (>= 2.9e-39). It makes a "freq_factors" `RopeScaling` carrying the factors (and the linear
     factor on top, if any).
 Float values are checked as float32, the type the forward pass computes in (a FLOAT64 key's
-1e300 is inf there): the RMS epsilon, freq_base and scaling factor by `jllama.config`'s
+1e300 is inf there): the RMS epsilon, freq_base and scaling factor by `jllama.model.config`'s
 `check_norm_eps`, `check_rope_theta` and `check_rope_divisor`, named by their keys. (llama.cpp
 takes these keys only as FLOAT32 and refuses a FLOAT64 one; jllama reads either.)
 """
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from jllama.config import (
+from jllama.model.config import (
     ModelConfig,
     RopeScaling,
     check_norm_eps,

@@ -62,7 +62,7 @@ from jllama.formats.safetensors_file import (  # noqa: F401 (re-exported)
     read_safetensors_header,
 )
 from jllama.formats.tensor_names import TensorNames
-from jllama.weights import TransformerWeights, expected_shapes
+from jllama.model.weights import TransformerWeights, expected_shapes
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"

@@ -16,7 +16,7 @@ config.json keys read (transformers' `LlamaConfig`; defaults are LlamaConfig's):
   the RoPE dict when it has one, else the top level, else 10000. Any other type ("yarn",
   "dynamic", "longrope", ...) and partial rotary embeddings are refused.
 Float values are checked as float32, the type the forward pass computes in (JSON's 1e300 is
-inf there), by `jllama.config`'s `check_norm_eps`, `check_rope_theta` and `check_rope_divisor`,
+inf there), by `jllama.model.config`'s `check_norm_eps`, `check_rope_theta` and `check_rope_divisor`,
 each message naming the key as config.json spells it.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jllama.config import (
+from jllama.model.config import (
     ModelConfig,
     RopeScaling,
     check_norm_eps,

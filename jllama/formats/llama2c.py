@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
-from jllama.files import require_regular_file
+from jllama.platform.files import require_regular_file
 from jllama.formats.llama2c_layout import (  # noqa: F401 (re-exported: names of this module)
     DEFAULT_GROUP_SIZE,
     FLOAT,
@@ -47,7 +47,7 @@ from jllama.formats.llama2c_writer import (  # noqa: F401 (re-exported)
     rope_tables,
     write_checkpoint,
 )
-from jllama.weights import TransformerWeights
+from jllama.model.weights import TransformerWeights
 
 # Files often mistaken for a llama2.c checkpoint: named rather than misread.
 FOREIGN_MAGIC = {b"GGUF": "a GGUF file, not a llama2.c checkpoint"}
@@ -202,7 +202,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, TransformerWe
 
     Returns:
       (config, weights): float32 weights in the file's layout (see
-      `jllama.weights.TransformerWeights`). Versions 0 and 1: read-only views of the mapped
+      `jllama.model.weights.TransformerWeights`). Versions 0 and 1: read-only views of the mapped
       file. Version 2: the norms are views, the matrices dequantized (runq.c's `dequantize`)
       into new arrays. When the classifier is shared, `wcls` is the embedding table array.
 

@@ -1,7 +1,7 @@
 """llama2.c checkpoint files: the layouts of versions 0, 1 and 2 and their sizes, and Q8_0
 groups (`jllama.formats.llama2c` reads them, `jllama.formats.llama2c_writer` writes them).
 
-All numbers are little-endian. Shapes are those of `jllama.weights.TransformerWeights`
+All numbers are little-endian. Shapes are those of `jllama.model.weights.TransformerWeights`
 (L = n_layers, matrices out x in); q_dim = dim and head_dim = dim / n_heads in every version,
 since the header has no field for them.
 
@@ -46,9 +46,9 @@ import struct
 
 import numpy as np
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import ConfigError
-from jllama.weights import expected_shapes
+from jllama.model.weights import expected_shapes
 
 MAGIC = 0x616B3432
 """uint32 at byte 0 of a version 1 or 2 file (export.py: "ak42" in ASCII)."""

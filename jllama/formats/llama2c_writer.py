@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
 from jllama.formats.llama2c_layout import (
     DEFAULT_GROUP_SIZE,
@@ -32,7 +32,7 @@ from jllama.formats.llama2c_layout import (
     layout,
     quantize_q80,
 )
-from jllama.weights import TransformerWeights, check_shapes
+from jllama.model.weights import TransformerWeights, check_shapes
 
 
 @dataclasses.dataclass(frozen=True)

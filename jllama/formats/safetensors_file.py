@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from jllama.errors import CheckpointError
-from jllama.files import parse_json, require_regular_file
+from jllama.platform.files import parse_json, require_regular_file
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -1,4 +1,4 @@
-"""How a file format names the tensors of `jllama.weights.TransformerWeights`.
+"""How a file format names the tensors of `jllama.model.weights.TransformerWeights`.
 
 GGUF (`blk.N.attn_q.weight`) and Hugging Face (`model.layers.N.self_attn.q_proj.weight`) name
 each layer's tensors as a prefix, the layer number, a module name and a suffix, and the
@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError
-from jllama.weights import expected_shapes
+from jllama.model.weights import expected_shapes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@ layer's KV cache, and the cache's block layout that the other programs share.
 
 The cache of a layer is a tuple of `n_blocks(seq_len)` separate arrays ("blocks") of
 f32[n_kv_heads, block_length(seq_len), head_dim] each, positions `b * B .. (b + 1) * B - 1`
-in block b (or of another KV cache type, `jllama.cache_types`: f16 / bf16 values, or q8_0's
+in block b (or of another KV cache type, `jllama.model.cache_types`: f16 / bf16 values, or q8_0's
 uint8[n_kv_heads, block_length, head_dim / 32 * 34]; writes round to the block's type and
 reads widen to float32, `jllama.graphs.cache_rows`). Attention at `pos` reads the first `attention_blocks(seq_len, pos)` blocks, a
 power of two of them, so a context compiles at most 1 + log2(n_blocks) attention programs
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jllama import kernels
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs.cache_rows import decode, encode, kernel_reads
 from jllama.graphs.ops import PRECISION
 

@@ -22,7 +22,7 @@ import functools
 import jax
 
 from jllama.kernels import batched
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 """The batch sizes the batched programs are compiled for: a batch of B runs in the smallest
@@ -58,7 +58,7 @@ def layer_batch(
       count: int32 scalar, the real rows (the rest is padding).
       pos: int32[B], each sequence's position.
       rms_att_weight, wqkv, wo, rms_ffn_weight, w1, w2, w3: the layer's arrays
-        (`jllama.weights.LayerWeights`; f32, bf16, `Int8Matrix` or GGML blocks).
+        (`jllama.model.weights.LayerWeights`; f32, bf16, `Int8Matrix` or GGML blocks).
       inv_freq: f32[head_dim // 2].
       key_current, value_current: B blocks each, sequence b's block holding pos[b]; donated
         (updated in place).

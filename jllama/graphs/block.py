@@ -7,8 +7,8 @@ import functools
 
 import jax
 
-from jllama.config import ModelConfig
-from jllama.ggml_matrix import float_gate_up, gate_up
+from jllama.model.config import ModelConfig
+from jllama.model.ggml_matrix import float_gate_up, gate_up
 from jllama.graphs.ops import norm_matmul, residual_matmul, residual_swiglu_matmul
 
 

@@ -1,5 +1,5 @@
 """The KV cache's types in the XLA programs (traced): rows rounded to a block's type as they are
-written, widened to float32 as they are read (`jllama.cache_types` names the types and their
+written, widened to float32 as they are read (`jllama.model.cache_types` names the types and their
 block formats; its NumPy `encode` / `decode` are the reference these match bit for bit).
 
 A block's dtype says its type: float32, float16, bfloat16, or uint8 for q8_0 (rows of
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jllama.cache_types import Q8_0_BLOCK_BYTES, QK8_0, of_dtype
+from jllama.model.cache_types import Q8_0_BLOCK_BYTES, QK8_0, of_dtype
 
 KERNEL_CACHE_DTYPES = tuple(
     np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16, np.uint8))
@@ -55,7 +55,7 @@ def round_trip(rows: jax.Array, dtype) -> jax.Array:
 
 def quantize_q8_0(x: jax.Array) -> jax.Array:
     """x: f32[..., n] (n a multiple of 32) -> uint8[..., n / 32 * 34], ggml's block_q8_0 per 32
-    values as llama.cpp's CPU quantizer writes its KV cache (`jllama.cache_types.quantize_q8_0`
+    values as llama.cpp's CPU quantizer writes its KV cache (`jllama.model.cache_types.quantize_q8_0`
     states the rule): step d = amax / 127 as float16, q = round-half-even(x * (127 / amax)),
     d's two bytes then the 32 int8 (little-endian, the layout of every device jax runs on)."""
     groups = x.reshape(*x.shape[:-1], -1, QK8_0)

@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs.ops import norm_matmul
 
 

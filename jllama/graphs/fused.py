@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs.attention import (
     block_scores,
     block_weighted_sum,
@@ -44,7 +44,7 @@ def decode_step(
     Args:
       config: static.
       x: f32[dim], the token's embedding row.
-      layers: n_layers `LayerWeights` (see `jllama.weights`).
+      layers: n_layers `LayerWeights` (see `jllama.model.weights`).
       key_blocks, value_blocks: n_layers tuples of each layer's first k cache blocks (k =
         `attention_blocks(seq_len, pos)`; see `jllama.graphs.attention`; any KV cache type),
         holding positions < pos; read only. This position's key and value enter the attention directly (its

@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from jllama import kernels
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs.attention import attend_current
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.qkv import qkv
-from jllama.ggml_matrix import GGMLMatrix
-from jllama.quant import Int8Matrix
+from jllama.model.ggml_matrix import GGMLMatrix
+from jllama.model.quant import Int8Matrix
 
 SAMPLING_KINDS = ("greedy", "mult", "topp")
 """How `sample_on_device` picks: argmax; one draw from the softmax; one draw from the nucleus."""
@@ -105,7 +105,7 @@ def sample_on_device(
 
 def _embedding_row(table, token: jax.Array) -> jax.Array:
     # jnp.take with mode="clip" (token is always in range): with the table split by rows over
-    # devices (`jllama.sharding`), XLA's partitioner turns this gather into a local lookup
+    # devices (`jllama.platform.sharding`), XLA's partitioner turns this gather into a local lookup
     # plus an all-reduce of one row; `table[token]` made it all-gather the whole table each
     # step (HLO of JAX 0.10.2 read).
     def row(a):

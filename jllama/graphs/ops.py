@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jllama import kernels
-from jllama.ggml_matrix import is_ggml
-from jllama.quant import Int8Matrix
+from jllama.model.ggml_matrix import is_ggml
+from jllama.model.quant import Int8Matrix
 
 # f32 matrix products at full f32 precision: the default lets GPUs use TF32 (10-bit mantissa),
 # which would break parity with the reference; on XLA CPU it costs nothing.
@@ -30,7 +30,7 @@ def matmul(w: jax.Array | Int8Matrix, x: jax.Array, matvec: str = "xla") -> jax.
     every call: a 5632x2048 bf16 product took 14.3 ms that way and 1.1 ms this way (f32 dot:
     1.2 ms; measured in JAX 0.10).
 
-    int8 weights (`jllama.quant.Int8Matrix`) are widened the same way and each row sum is
+    int8 weights (`jllama.model.quant.Int8Matrix`) are widened the same way and each row sum is
     multiplied by the row's scale afterwards: `sum(q * x) * scale`, equal to `(q * scale) @ x`
     up to rounding; the product reads one byte per weight.
     """
@@ -106,7 +106,7 @@ def split_qkv(config, out: jax.Array, shards: int = 1):
 
     out: f32[..., q_dim + 2 * kv_dim] in `wqkv`'s row order. With shards == 1 (one device)
     that is wq's rows, then wk's, then wv's. With shards == N (tensor parallelism,
-    `jllama.sharding.qkv_row_order`) the rows come in N equal groups, group d holding device
+    `jllama.platform.sharding.qkv_row_order`) the rows come in N equal groups, group d holding device
     d's query heads, then its key heads, then its value heads, so each device's contiguous
     shard of `wqkv` is all it needs and the split below never moves data between devices.
 

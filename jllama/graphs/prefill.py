@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from jllama import kernels
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs.attention import write_positions
 from jllama.graphs.cache_rows import decode, kernel_reads
 from jllama.graphs.classifier import classifier
 from jllama.graphs.ops import PRECISION, split_qkv
-from jllama.ggml_matrix import gate_up, is_ggml
-from jllama.quant import Int8Matrix
+from jllama.model.ggml_matrix import gate_up, is_ggml
+from jllama.model.quant import Int8Matrix
 
 
 def _rows_matmul(x: jax.Array, w) -> jax.Array:
@@ -58,7 +58,7 @@ def _rmsnorm_rows(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def _rope_rows(heads: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """heads: f32[T, n, head_dim]; cos, sin: f32[T, head_dim // 2] of each token's angles
-    (`jllama.rope.rope_cos_sin`) -> the adjacent pairs (2i, 2i+1) of each head of token t
+    (`jllama.model.rope.rope_cos_sin`) -> the adjacent pairs (2i, 2i+1) of each head of token t
     rotated by token t's angle i (run.c's RoPE)."""
     t, n, head_dim = heads.shape
     pairs = heads.reshape(t, n, head_dim // 2, 2)
@@ -88,13 +88,13 @@ def qkv_chunk(
       x: f32[T, dim], the residual streams of the chunk's tokens.
       rms_att_weight: f32[dim]; wqkv: [q_dim + 2 * kv_dim, dim] (f32 or bf16).
       key_block, value_block: f32[n_kv_heads, block_length, head_dim] (or another KV cache
-        type, `jllama.cache_types`: the rows are rounded to it), the cache blocks that
+        type, `jllama.model.cache_types`: the rows are rounded to it), the cache blocks that
         hold all of positions pos .. pos+T-1 (the caller's promise: a chunk never crosses a
         block boundary, and `dynamic_update_slice` would clamp one that did); donated,
         updated in place.
       pos: int32 scalar, the first token's position.
       cos, sin: f32[T, head_dim // 2], the RoPE angles of positions pos .. pos+T-1
-        (`jllama.rope.rope_cos_sin`, the same for every layer).
+        (`jllama.model.rope.rope_cos_sin`, the same for every layer).
       shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
 
     Returns:

@@ -8,7 +8,7 @@ import functools
 import jax
 
 from jllama import kernels
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.graphs.attention import write_positions
 from jllama.graphs.cache_rows import kernel_reads
 from jllama.graphs.ops import norm_matmul, rope, split_qkv
@@ -45,11 +45,11 @@ def qkv(
       rms_att_weight: f32[dim], this layer's attention RMSNorm gains.
       wqkv: f32[q_dim + 2 * kv_dim, dim], this layer's wq, wk, wv rows stacked (out x in).
       key_block, value_block: f32[n_kv_heads, block_length, head_dim] (or another KV cache
-        type, `jllama.cache_types`: the rows are rounded to it), the layer's cache blocks
+        type, `jllama.model.cache_types`: the rows are rounded to it), the layer's cache blocks
         holding `pos` (block pos // block_length, see `jllama.graphs.attention`); donated:
         updated in place, so the arguments must not be used afterwards.
       pos: int32 scalar, the token's position, 0 <= pos < seq_len.
-      inv_freq: f32[head_dim // 2], from `jllama.rope.rope_frequencies`.
+      inv_freq: f32[head_dim // 2], from `jllama.model.rope.rope_frequencies`.
       shards: static; the number of groups wqkv's rows come in (`jllama.graphs.ops.split_qkv`):
         1 on one device, the device count under tensor parallelism.
       matvec: static; how the product runs, "xla" or "kernel" (`jllama.graphs.ops.matmul`).

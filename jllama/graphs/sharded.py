@@ -1,4 +1,4 @@
-"""The compiled programs of `jllama.graphs` for a tensor-parallel layout (`jllama.sharding`).
+"""The compiled programs of `jllama.graphs` for a tensor-parallel layout (`jllama.platform.sharding`).
 
 The same traced bodies as the one-device programs, jitted again with `out_shardings` on the
 mesh; their inputs arrive already laid out (weights split by `TensorParallel`, caches by KV
@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jllama import graphs
 from jllama.graphs.programs import Programs
-from jllama.sharding import AXIS
+from jllama.platform.sharding import AXIS
 
 
 def _waiting(program):
@@ -48,7 +48,7 @@ def sharded_programs(mesh: Mesh, wait: bool | None = None) -> Programs:
 
     Each keeps its `jllama.graphs` counterpart's arguments, static arguments and donations;
     pass `shards=mesh.size` to the ones that take it (wqkv's row groups,
-    `jllama.sharding.qkv_row_order`). Output layouts: q, the attention output and cache
+    `jllama.platform.sharding.qkv_row_order`). Output layouts: q, the attention output and cache
     blocks split along the head axis; the residual stream, logits and sampled tokens
     replicated.
 

@@ -37,9 +37,9 @@ from jllama.kernels.library import (
     build,
     check_library,
 )
-import jllama.pytrees  # noqa: F401 (registers the weight dataclasses as JAX pytrees)
-from jllama.ggml_matrix import FLOAT_TYPES, FloatRows, GGMLMatrix, RowStack
-from jllama.quant import Int8Matrix
+import jllama.model.pytrees  # noqa: F401 (registers the weight dataclasses as JAX pytrees)
+from jllama.model.ggml_matrix import FLOAT_TYPES, FloatRows, GGMLMatrix, RowStack
+from jllama.model.quant import Int8Matrix
 
 MATVEC_MODES = ("xla", "kernel")
 """How the decode programs compute a matrix-vector product: "xla": `jnp.dot` (or XLA's
@@ -62,7 +62,7 @@ into the layer's cache block."""
 ATTENTION_CHUNK = SYMBOLS[8]
 """The handler for a prefill chunk's causal attention over cache blocks of any KV cache type."""
 MATVEC_GGML, DEQUANTIZE_GGML, ROWS_GGML, MATMUL_GGML = SYMBOLS[9:13]
-"""The handlers for GGML blocks (`jllama.ggml_matrix`): a product with stacked parts of any
+"""The handlers for GGML blocks (`jllama.model.ggml_matrix`): a product with stacked parts of any
 types, the parts dequantized to float32, rows of a table dequantized, and the product with the
 T tokens of a prefill chunk."""
 
@@ -140,7 +140,7 @@ def matvec(
     Args:
       w: f32[m, n], bf16[m, n] (widened exactly), an `Int8Matrix` (q int8[m, n], scale
         f32[m]: `scale * (q @ x)`; or grouped, scale f32[m, n // g]: each group's sum times its
-        scale), or GGML blocks (`jllama.ggml_matrix.GGMLMatrix` / `RowStack`: the integer types
+        scale), or GGML blocks (`jllama.model.ggml_matrix.GGMLMatrix` / `RowStack`: the integer types
         against x quantized to int8 per 32 as Q8_0, ggml_dot.h), rows as llama2.c's "out x in".
       x: f32[n].
       norm: f32[n] or None; given, f(x) = RMSNorm as llama2.c run.c, `norm * (x /
@@ -233,7 +233,7 @@ def attention(
       qg: f32[n_kv_heads, kv_mul, head_dim], the queries after RoPE, grouped by key head.
       key_blocks, value_blocks: the layer's first k cache blocks (`jllama.graphs.attention`),
         positions 0 .. pos written; keys of one KV cache type and values of one
-        (`jllama.cache_types`, told by the dtype): f32/f16/bf16[n_kv_heads, block_length,
+        (`jllama.model.cache_types`, told by the dtype): f32/f16/bf16[n_kv_heads, block_length,
         head_dim] or q8_0's uint8[n_kv_heads, block_length, head_dim // 32 * 34]. Each stored
         value is widened to float32 (q8_0: d * q) and the arithmetic is float32.
       pos: int32 scalar, 0 <= pos < k * block_length (checked by the kernel: an error at
@@ -313,9 +313,9 @@ def rope_write(
       qkv: f32[(n_heads + 2 * n_kv_heads) * head_dim], wq's rows, then wk's, then wv's (one
         device's stacked product, `jllama.graphs.ops.split_qkv` with shards=1).
       pos: int32 scalar >= 0, the token's position.
-      inv_freq: f32[head_dim // 2], `jllama.rope.rope_frequencies`.
+      inv_freq: f32[head_dim // 2], `jllama.model.rope.rope_frequencies`.
       key_block, value_block: the blocks holding pos, each of a KV cache type
-        (`jllama.cache_types`, told by its dtype; keys and values each their own):
+        (`jllama.model.cache_types`, told by its dtype; keys and values each their own):
         f32/f16/bf16[n_kv_heads, block_length, head_dim] or q8_0's uint8[n_kv_heads,
         block_length, head_dim // 32 * 34].
 

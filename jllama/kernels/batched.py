@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jllama.ggml_matrix import FloatRows, GGMLMatrix, RowStack
+from jllama.model.ggml_matrix import FloatRows, GGMLMatrix, RowStack
 from jllama.kernels import SYMBOLS, _parts, prologue_args
-from jllama.quant import Int8Matrix
+from jllama.model.quant import Int8Matrix
 
 BATCH_TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS[13:16], strict=True))
 """The batched products' handlers per weight dtype (`matvec_batch`; batch.cc)."""

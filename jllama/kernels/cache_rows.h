@@ -1,4 +1,4 @@
-// KV cache rows in their stored types (`jllama.cache_types`): which type a cache block holds
+// KV cache rows in their stored types (`jllama.model.cache_types`): which type a cache block holds
 // (its dtype says: float32, float16, bfloat16, or uint8 for q8_0), a row read as float32
 // (`widen_row`, `widen_part`) and a float32 row written in the block's type (`store_row`).
 //

@@ -141,7 +141,7 @@ ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, 
   *m = 0, *bytes = 0, *integer = false;
   for (int64_t k = 0; k < n_parts; ++k) {
     // A part is its bytes, u8[rows, row_bytes]; an F32 or BF16 part may come as the typed
-    // matrix itself, f32/bf16[rows, n] (`jllama.ggml_matrix.FloatRows`: no byte view to make).
+    // matrix itself, f32/bf16[rows, n] (`jllama.model.ggml_matrix.FloatRows`: no byte view to make).
     auto w = args.get<ffi::AnyBuffer>(k);
     if (w.has_error()) return w.error();
     const ggml::Layout layout = ggml::layout(types[k]);
@@ -504,7 +504,7 @@ auto with_parts(Binding binding) {
 }  // namespace
 
 // The x8 layout of a ggml type as `ggml::x8_positions` builds it (the tests compare it with
-// jllama.ggml_repack's): pos int32[8 * block bytes]. Returns 0, or -1 for a type without one.
+// jllama.model.ggml_repack's): pos int32[8 * block bytes]. Returns 0, or -1 for a type without one.
 extern "C" int jllama_x8_positions(int32_t type, int32_t* pos) {
   if (!ggml::has_x8(type)) return -1;
   ggml::x8_positions(type, pos);

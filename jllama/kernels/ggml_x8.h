@@ -11,7 +11,7 @@
 //
 // Layout. A tile is block b of eight consecutive rows 8g .. 8g + 7: the rows' bytes of that
 // block, permuted (the same bytes, so the same size and the same dequantized values as stored;
-// `jllama/ggml_repack.py` builds the permutations and repacks at load). Tiles follow each other
+// `jllama/model/ggml_repack.py` builds the permutations and repacks at load). Tiles follow each other
 // in row order of the blocks, so a group of 8 rows streams from memory front to back. In every
 // layout, "a chunk" is 32 bytes holding 4 consecutive bytes of each of the 8 rows (row r at bytes
 // 4r .. 4r + 3), so one 32-byte load gives 4 quantized values (or 8 nibbles) of each row:
@@ -54,7 +54,7 @@ inline bool has_x8(int32_t type) {
 }
 
 // Where byte o of row r's block (r in 0..7) lies in its x8 tile: the inverse of
-// `jllama.ggml_repack.tile_sources` (the tests compare the two). pos: int32[8 * block bytes].
+// `jllama.model.ggml_repack.tile_sources` (the tests compare the two). pos: int32[8 * block bytes].
 inline void x8_positions(int32_t type, int32_t* pos) {
   const int64_t nb = layout(type).bytes;
   int64_t t = 0;
@@ -105,7 +105,7 @@ inline void x8_row(int32_t type, const uint8_t* group, int r, int64_t n, const i
     const uint8_t* tile = group + b * 8 * l.bytes;
     uint8_t* block = out + b * l.bytes;
     for (int64_t o = 0; o < l.bytes; ++o) block[o] = tile[pos[r * l.bytes + o]];
-    if (qh >= 0) {  // the tile's high bits are transposed (jllama.ggml_repack._transpose_qh)
+    if (qh >= 0) {  // the tile's high bits are transposed (jllama.model.ggml_repack._transpose_qh)
       uint32_t plane, bits = 0;
       std::memcpy(&plane, block + qh, 4);
       for (int i = 0; i < 4; ++i)

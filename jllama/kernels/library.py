@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from jllama.errors import BackendError
-from jllama.fetch import jllama_home
+from jllama.platform.fetch import jllama_home
 
 _HERE = Path(__file__).parent
 

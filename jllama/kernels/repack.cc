@@ -1,10 +1,10 @@
 // Placing the weights at load: each matrix copied, or repacked into its x8 layout (ggml_x8.h),
 // straight from the memory-mapped file (or read from it with pread) into its place in the one
-// buffer the decode kernels stream (`jllama.packing`), on several threads. Plain C functions
+// buffer the decode kernels stream (`jllama.model.packing`), on several threads. Plain C functions
 // called through ctypes (`jllama.kernels.repack`), not XLA handlers: this runs before any
 // program does.
 //
-// Why here and not NumPy: NumPy's fancy-index permutation of every byte (`jllama.ggml_repack`,
+// Why here and not NumPy: NumPy's fancy-index permutation of every byte (`jllama.model.ggml_repack`,
 // kept as the reference the tests compare with) took 11-14 s for Llama-3.2-1B's 0.8 GB, and its
 // intermediate arrays doubled the process's memory. A tile here is a few dozen fixed-size moves.
 //
@@ -30,7 +30,7 @@ namespace jllama {
 namespace {
 
 // A tile of an x8 layout is built from the 8 rows' blocks by sections, in order (the same
-// layouts `ggml::x8_positions` and `jllama.ggml_repack.tile_sources` describe byte by byte;
+// layouts `ggml::x8_positions` and `jllama.model.ggml_repack.tile_sources` describe byte by byte;
 // the tests check all three agree):
 //   kPerRow  bytes start .. start + count - 1 of row 0, then of row 1, ... (count 2 or 4)
 //   kQh      as kPerRow with count 4, each row's 32 bits transposed (Q5_0 / Q5_1's high bits)
@@ -70,7 +70,7 @@ Tiling tiling(int32_t type) {
   }
 }
 
-// Bit 8i + k of the result is bit 4k + i of `qh` (jllama.ggml_repack._transpose_qh).
+// Bit 8i + k of the result is bit 4k + i of `qh` (jllama.model.ggml_repack._transpose_qh).
 inline uint32_t transpose_qh(uint32_t qh) {
 #if defined(__BMI2__)
   return _pext_u32(qh, 0x11111111u) | _pext_u32(qh, 0x22222222u) << 8 |

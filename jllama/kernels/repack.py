@@ -1,7 +1,7 @@
 """The kernel library's placing of weights at load (`repack.cc`), called through ctypes.
 
   place(pieces, threads)       copy or x8-repack each piece into its destination, on threads
-  repack_x8(data, type_id)     one matrix into its x8 layout (`jllama.ggml_repack.repack`'s
+  repack_x8(data, type_id)     one matrix into its x8 layout (`jllama.model.ggml_repack.repack`'s
                                result, byte for byte), for tests and small matrices
 
 Only where the library builds (`jllama.kernels.library`); the caller falls back otherwise.
@@ -78,7 +78,7 @@ def piece(src: np.ndarray, dst: np.ndarray, type_id: int = COPY, *, release: boo
 
 def repack_x8(data: np.ndarray, type_id: int, threads: int = 1) -> np.ndarray:
     """u8[..., rows, row_bytes] of ggml type `type_id` in its x8 layout (a new array), by the
-    library: the same bytes as `jllama.ggml_repack.repack`.
+    library: the same bytes as `jllama.model.ggml_repack.repack`.
 
     Raises:
       PlaceError: as `place`.

@@ -109,7 +109,7 @@ class Sampler:
         config: the `SamplerConfig`, with the seed actually used (never None).
         rng: the `XorShiftRng`, advanced by one draw per sampled (non-greedy) token.
         uses_history: True when the penalties need the recent ids: the generation loop then
-            calls `sample(logits, history)` (see `jllama.generate.Generation`).
+            calls `sample(logits, history)` (see `jllama.generation.generate.Generation`).
         logit_steps: the steps on the whole logit vector (`LogitStep`s), in order.
         candidate_steps: the steps on the candidates (`CandidateStep`s), in order; None for
             greedy sampling (temperature 0 as a float32).

@@ -93,7 +93,7 @@ class ServerThread:
     """The server in a background thread, for tests and scripts.
 
     Args:
-      model: a `jllama.loading.Model`.
+      model: a `jllama.model.loading.Model`.
       backend: a prepared backend for it.
       use_prefill: feed prompts through the backend's batched prefill where it has one.
       parallel: requests generated at once (`make_worker`).
@@ -110,7 +110,7 @@ class ServerThread:
     def __init__(self, model, backend, model_id: str, host: str = "127.0.0.1", port: int = 0,
                  use_prefill: bool = True, max_waiting: int = 256, parallel: int = 1,
                  **app_options):
-        from jllama.session import Session
+        from jllama.generation.session import Session
 
         session = Session(model, backend, decode="graph", device_sampling=False,
                           prefill="chunked" if use_prefill else "token")

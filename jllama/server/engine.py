@@ -26,7 +26,7 @@ from jllama.errors import ConstraintError
 from jllama.sampling import SamplerConfig
 from jllama.server.errors import APIError
 from jllama.server.metrics import Metrics
-from jllama.streaming import Text, TokenLogprob
+from jllama.generation.streaming import Text, TokenLogprob
 
 if TYPE_CHECKING:  # llguidance is imported only where a grammar is used
     from jllama.constrain import Grammar
@@ -126,7 +126,7 @@ class Engine:
     """The worker thread and its queue.
 
     Args:
-      session: the `jllama.session.Session` the requests run on (its model, backend and plan:
+      session: the `jllama.generation.session.Session` the requests run on (its model, backend and plan:
         made with device_sampling=False, as every request brings its own sampler), used by
         the worker thread only.
       max_waiting: the most requests waiting at once; more are refused with 503.

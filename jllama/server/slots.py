@@ -23,7 +23,7 @@ class SlotEngine:
     """The worker thread, its queue and its scheduler.
 
     Args:
-      session: the `jllama.session.Session` (device_sampling=False; its backend with
+      session: the `jllama.generation.session.Session` (device_sampling=False; its backend with
         `SlotCaches`), used by the worker thread only.
       parallel: slots, i.e. requests generated at once (>= 1).
       max_waiting: the most requests waiting at once (queued or not yet in a slot); more are

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from jllama.errors import TokenizerError
-from jllama.files import require_regular_file
+from jllama.platform.files import require_regular_file
 from jllama.tokenizers.base import Tokenizer
 from jllama.tokenizers.gguf import read_gguf_tokenizer
 from jllama.tokenizers.hf import TOKENIZER_JSON, read_hf_tokenizer

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jllama.errors import TokenizerError
-from jllama.files import require_regular_file
+from jllama.platform.files import require_regular_file
 from jllama.formats.gguf_header import read_header
 from jllama.tokenizers.bpe import (
     BYTE,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from jllama.errors import TokenizerError
-from jllama.files import parse_json, require_regular_file
+from jllama.platform.files import parse_json, require_regular_file
 from jllama.tokenizers.bpe import END_OF_GENERATION_TEXTS, ByteLevelBPE
 from jllama.tokenizers.hf_build import (
     BYTE_LEVEL_PRE_TOKENIZERS,

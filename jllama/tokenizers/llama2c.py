@@ -27,7 +27,7 @@ import struct
 from pathlib import Path
 
 from jllama.errors import TokenizerError
-from jllama.files import require_regular_file
+from jllama.platform.files import require_regular_file
 from jllama.tokenizers.base import (
     BOS_ID,
     EOS_ID,

@@ -31,7 +31,7 @@ from typing import ClassVar
 import tiktoken
 
 from jllama.errors import TokenizerError
-from jllama.files import require_regular_file
+from jllama.platform.files import require_regular_file
 from jllama.tokenizers.base import (
     DecodesPrintedBytes,
     Segments,

@@ -9,9 +9,12 @@ one convention serves all of them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from jllama.config import ModelConfig
+if TYPE_CHECKING:  # jllama.model.config imports this module to check its RoPE table
+    from jllama.model.config import ModelConfig
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from jllama.errors import ChatError, JllamaError
-from jllama.generate import Generation, Token
+from jllama.generation.generate import Generation, Token
 
 
 class ContextFullError(JllamaError):
@@ -55,7 +55,7 @@ class TurnStats:
 
 
 class Conversation:
-    """A chat whose turns share one KV cache: a `jllama.session.Session`'s (positions are reused
+    """A chat whose turns share one KV cache: a `jllama.generation.session.Session`'s (positions are reused
     from 0; the session's other generations would overwrite them).
 
     Args:

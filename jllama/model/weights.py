@@ -11,7 +11,7 @@ Separate per-layer arrays matter on XLA CPU: slicing a layer out of a stacked ar
 compiled program makes XLA copy the whole matrix before the dot (measured in JAX 0.10: a
 5632x2048 matrix-vector product fell from 20.5 to 4.3 GB/s).
 
-Both are frozen dataclasses, registered as JAX pytrees by `jllama.pytrees` (which the JAX code
+Both are frozen dataclasses, registered as JAX pytrees by `jllama.model.pytrees` (which the JAX code
 imports), so this module imports no JAX.
 """
 
@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
 
 
@@ -107,8 +107,8 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> T
 
 DTYPES = ("float32", "bfloat16", "int8", "q4")
 """Weight dtypes a model can be held in (`cast_weights`, the CLI's --dtype). int8 is
-`jllama.quant.Int8Matrix`: int8 values with one float32 scale per row (GGML weights: Q8_0
-blocks); q4 is GGML's Q4_0 blocks (`jllama.ggml_matrix`)."""
+`jllama.model.quant.Int8Matrix`: int8 values with one float32 scale per row (GGML weights: Q8_0
+blocks); q4 is GGML's Q4_0 blocks (`jllama.model.ggml_matrix`)."""
 
 Q4_TYPE = 2
 """The GGML type --dtype=q4 quantizes to (ggml_quants.Q4_0)."""
@@ -125,7 +125,7 @@ _MATRICES = ("token_embedding_table", "wq", "wk", "wv", "wo", "w1", "w2", "w3", 
 def matrix_kinds(matrix) -> set[str]:
     """What a weight matrix is held as: {"float32"}, {"bfloat16"}, {"int8"} (`Int8Matrix`), or
     the GGML types of its blocks, e.g. {"Q4_K", "Q6_K"}."""
-    from jllama.ggml_matrix import is_ggml, type_names
+    from jllama.model.ggml_matrix import is_ggml, type_names
 
     if is_ggml(matrix):
         return type_names(matrix)
@@ -158,12 +158,12 @@ def cast_weights(weights: TransformerWeights, dtype: str) -> TransformerWeights:
 
     Widening bfloat16 to float32 is exact; narrowing rounds to nearest even (as
     `ml_dtypes.bfloat16` and torch's `.to(torch.bfloat16)` do). GGML blocks
-    (`jllama.ggml_matrix`) to a float dtype dequantize exactly.
+    (`jllama.model.ggml_matrix`) to a float dtype dequantize exactly.
 
-    "int8": a float matrix is quantized row by row (`jllama.quant.quantize_int8`: error at most
+    "int8": a float matrix is quantized row by row (`jllama.model.quant.quantize_int8`: error at most
     half a row's step); a GGML one becomes Q8_0 blocks (a GGUF's Q8_0 as stored, Q4_0 exactly,
     other types quantized from their exact values by ggml's reference Q8_0 quantizer,
-    `jllama.ggml_matrix.quantize`). int8 to a float dtype dequantizes.
+    `jllama.model.ggml_matrix.quantize`). int8 to a float dtype dequantizes.
 
     "q4": every matrix becomes Q4_0 blocks (`Q4_TYPE`, ggml's reference quantizer), except GGML
     types of 6 bits a weight or fewer (`Q4_KEEP`), which stay as stored, matrices whose rows
@@ -207,8 +207,8 @@ def _cast_matrix(array, dtype: str):
     import ml_dtypes
 
     from jllama.formats import ggml_quants as gq
-    from jllama.ggml_matrix import GGMLMatrix, LayerStack, is_ggml, q4_0_as_q8_0, quantize
-    from jllama.quant import quantize_int8
+    from jllama.model.ggml_matrix import GGMLMatrix, LayerStack, is_ggml, q4_0_as_q8_0, quantize
+    from jllama.model.quant import quantize_int8
 
     kinds = matrix_kinds(array)
     if dtype in ("float32", "bfloat16"):
@@ -318,8 +318,8 @@ def to_graph_weights(weights: TransformerWeights) -> GraphWeights:
 
 
 def _stack_rows(matrices):
-    from jllama.ggml_matrix import from_float, is_ggml, stack_rows
-    from jllama.quant import Int8Matrix, concatenate_rows
+    from jllama.model.ggml_matrix import from_float, is_ggml, stack_rows
+    from jllama.model.quant import Int8Matrix, concatenate_rows
 
     if all(isinstance(m, Int8Matrix) for m in matrices):
         return concatenate_rows(matrices)

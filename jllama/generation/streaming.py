@@ -2,7 +2,7 @@
 strings and log-probs, in one place for the server, chat and scripts.
 
 `Completion` takes the sampled `Token`s of a `Generation` (or of a chat turn) and yields `Text`
-pieces: text released as soon as it cannot be part of a stop string (`jllama.stop`), never a
+pieces: text released as soon as it cannot be part of a stop string (`jllama.generation.stop`), never a
 partial UTF-8 character at the end, and the log-probs of the tokens it came from when asked.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from jllama.generate import Generation, Token
+from jllama.generation.generate import Generation, Token
 from jllama.sampling import log_softmax
-from jllama.stop import StopMatcher
+from jllama.generation.stop import StopMatcher
 
 
 @dataclasses.dataclass(frozen=True)

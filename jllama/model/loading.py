@@ -2,7 +2,7 @@
 
 A checkpoint is a llama2.c file (tokenizer in a separate file) or a GGUF file (tokenizer and
 chat template inside), told apart by the GGUF magic; a known model's name such as `smollm2`
-stands for its file in the cache (`jllama.fetch`).
+stands for its file in the cache (`jllama.platform.fetch`).
 
 The embedded default is llama2.c's stories260K (a 260K-parameter Llama 2 trained on
 TinyStories) with its 512-token tokenizer, shipped as package data in `jllama/data/`.
@@ -17,13 +17,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError, TokenizerError
-from jllama.fetch import KNOWN_MODELS, cached_path, resolve_checkpoint
+from jllama.platform.fetch import KNOWN_MODELS, cached_path, resolve_checkpoint
 from jllama.formats.gguf import is_gguf, read_gguf
 from jllama.formats.llama2c import read_checkpoint
 from jllama.tokenizers.llama2c import Tokenizer, read_tokenizer
-from jllama.weights import DTYPES, TransformerWeights, cast_weights
+from jllama.model.weights import DTYPES, TransformerWeights, cast_weights
 
 
 def _data_file(name: str) -> Path:
@@ -117,7 +117,7 @@ def open_model(
       seq_len: cap on the context (tokens) the KV cache is sized for; None = the model's.
       need_tokenizer: False leaves the tokenizer unread (tokenizer None), e.g. to inspect or
         convert the weights alone.
-      dtype: "float32", "bfloat16" or "int8" (per-row scales, `jllama.quant`; a GGUF's
+      dtype: "float32", "bfloat16" or "int8" (per-row scales, `jllama.model.quant`; a GGUF's
         Q8_0 and Q4_0 matrices keep their own scale per 32 weights, exactly) to hold the
         weight matrices in (RMSNorm gains stay float32); None keeps what the reader gives: float32 for llama2.c and GGUF files (GGUF
         quantized tensors are dequantized), the stored type for Hugging Face folders (a
@@ -242,22 +242,22 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
 def required_memory(model: Model, devices: int = 1, cache_types=("f32", "f32"), *,
                     slots: int = 1) -> str:
     """One line saying what running `model` needs, before the weights are placed and the KV
-    cache allocated (as Distributed Llama's "RequiredMemory"): `jllama.memory.memory_plan`'s
+    cache allocated (as Distributed Llama's "RequiredMemory"): `jllama.platform.memory.memory_plan`'s
     weights in their dtype, the KV cache of `slots` sequences of seq_len tokens in its (key,
-    value) `cache_types` (`jllama.cache_types`, named in the line), and the process itself
+    value) `cache_types` (`jllama.model.cache_types`, named in the line), and the process itself
     (measured, plus its programs and activations), in MB (10^6 bytes).
 
-    With devices > 1 (tensor parallelism, `jllama.sharding`; the count must pass
+    With devices > 1 (tensor parallelism, `jllama.platform.sharding`; the count must pass
     `check_divisible`) the line goes on with what each device holds: its slice of the
-    weights and of the KV cache (`jllama.sharding.device_memory`), and the embedding table
+    weights and of the KV cache (`jllama.platform.sharding.device_memory`), and the embedding table
     the host keeps."""
-    from jllama.memory import memory_plan
+    from jllama.platform.memory import memory_plan
 
     config = model.config
     line = memory_plan(model, slots=slots, cache_type=cache_types[0],
                        value_type=cache_types[1]).line()
     if devices > 1:
-        from jllama.sharding import device_memory
+        from jllama.platform.sharding import device_memory
 
         per = device_memory(config, model.weights, devices, cache_types)
         line += (

@@ -4,7 +4,7 @@ multi-process runtime.
 Every process runs the same program: `start` joins it to the others through
 `jax.distributed.initialize` (process 0 runs the coordinator service at the address all are
 given), after which `jax.devices()` lists the devices of every process and one mesh can span
-them (`jllama.sharding.make_mesh`). On CPU the cross-process collectives are gloo's over TCP
+them (`jllama.platform.sharding.make_mesh`). On CPU the cross-process collectives are gloo's over TCP
 (`jax_cpu_collectives_implementation`); GPUs use NCCL. jllama opens no socket of its own.
 
 Process 0 is the one that talks to the user; `agree` hands its choices (prompt ids, seed) to

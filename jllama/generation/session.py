@@ -6,10 +6,10 @@ generations through a `Session`. It owns what each of them used to put together 
 - the step count (`steps` positions from `start_pos`, capped by `max_tokens` and the context);
 - compiling, before a generation starts, the programs it will need (`CompilePlanning`);
 - the prefill choice (the backend's batched `Prefill`, or token by token) and the decode mode
-  (`auto` resolved to `loop` or `graph` by `jllama.device_loop.decode_mode`);
+  (`auto` resolved to `loop` or `graph` by `jllama.generation.device_loop.decode_mode`);
 - sampling only among the tokenizer's ids when the model has more logits than tokens;
 - the end-of-generation ids (the tokenizer's `stop_ids`);
-- the text of a stream with stop strings and log-probs (`jllama.streaming.Completion`);
+- the text of a stream with stop strings and log-probs (`jllama.generation.streaming.Completion`);
 - a chat turn on top of all that (`chat`, a `Conversation`).
 
 Example::
@@ -36,12 +36,12 @@ from jllama.backends.base import (
     Prefill,
     PrefillLogits,
 )
-from jllama.device_loop import DECODE_MODES, ConstrainedLoopDecoder, LoopDecoder, decode_mode
+from jllama.generation.device_loop import DECODE_MODES, ConstrainedLoopDecoder, LoopDecoder, decode_mode
 from jllama.errors import JllamaError
-from jllama.generate import Generation
+from jllama.generation.generate import Generation
 from jllama.sampling import Sampler, SamplerConfig, restrict_to_vocabulary
-from jllama.session_slots import Slot, SlotsMixin
-from jllama.streaming import Completion, LogitsRecorder, Text
+from jllama.generation.session_slots import Slot, SlotsMixin
+from jllama.generation.streaming import Completion, LogitsRecorder, Text
 
 if TYPE_CHECKING:  # llguidance is imported where a grammar is used (it costs ~70 ms)
     from jllama.constrain import Grammar
@@ -55,11 +55,11 @@ class Session(SlotsMixin):
     """A prepared model + backend + decoding plan.
 
     Args:
-      model: a `jllama.loading.Model` (or anything with its `config`, `tokenizer`,
+      model: a `jllama.model.loading.Model` (or anything with its `config`, `tokenizer`,
         `chat_template` and `source`).
       backend: a prepared backend for it (`jllama.backends.base.Backend`; the capability
         protocols beside it say what else it can do).
-      decode: one of `jllama.device_loop.DECODE_MODES`: auto, graph, fused (fixed when the
+      decode: one of `jllama.generation.device_loop.DECODE_MODES`: auto, graph, fused (fixed when the
         backend was made) or loop.
       prefill: one of `PREFILL_MODES`.
       device_sampling: False where every generation brings its own sampler and the host
@@ -112,10 +112,10 @@ class Session(SlotsMixin):
     @classmethod
     def open(cls, checkpoint=None, tokenizer=None, *, seq_len: int | None = None,
              dtype: str | None = None, **options) -> Session:
-        """`jllama.loading.open_model(checkpoint, tokenizer, seq_len, dtype=dtype)`, then
+        """`jllama.model.loading.open_model(checkpoint, tokenizer, seq_len, dtype=dtype)`, then
         `Session.prepare(model, **options)`: a session in one call (checkpoint None: the
         embedded stories260K)."""
-        from jllama.loading import open_model
+        from jllama.model.loading import open_model
 
         return cls.prepare(open_model(checkpoint, tokenizer, seq_len=seq_len, dtype=dtype),
                            **options)
@@ -300,7 +300,7 @@ class Session(SlotsMixin):
                  slot: Slot | None = None, start_pos: int = 0, ignore_eos: bool = False,
                  each_token: bool = False, grammar: Grammar | None = None,
                  **sampling) -> Completion:
-        """A raw completion of `prompt` as streamed text (`jllama.streaming.Completion`).
+        """A raw completion of `prompt` as streamed text (`jllama.generation.streaming.Completion`).
 
         Args:
           prompt: a text (encoded with `encode`) or token ids.
@@ -351,10 +351,10 @@ class Session(SlotsMixin):
 
     def logits_fn(self, ctx: int):
         """`logits(tokens, start_pos, first) -> f32[len(tokens) - first, vocab_size]`, the
-        logits after each of tokens[first:] (`jllama.perplexity.LogitsFn`): batched through
+        logits after each of tokens[first:] (`jllama.generation.perplexity.LogitsFn`): batched through
         the backend's `PrefillLogits` when prefill is chunked, else `forward` token by token;
         the programs for chunks of `ctx` tokens compiled first."""
-        from jllama.perplexity import forward_logits
+        from jllama.generation.perplexity import forward_logits
 
         chunked = self.prefill == "chunked" and isinstance(self.backend, PrefillLogits)
         if self.compile_ahead and isinstance(self.backend, CompilePlanning):
@@ -362,7 +362,7 @@ class Session(SlotsMixin):
         return self.backend.prefill_logits if chunked else forward_logits(self.backend.forward)
 
     def chat(self, system_prompt: str | None = None, template=None):
-        """A new `jllama.conversation.Conversation` over this session's KV cache (one at a
+        """A new `jllama.generation.conversation.Conversation` over this session's KV cache (one at a
         time: a new one, or any other generation, starts the cache again from position 0).
 
         Args:
@@ -378,7 +378,7 @@ class Session(SlotsMixin):
         Raises:
           ChatError: the model has no chat template, or it does not compile.
         """
-        from jllama.conversation import Conversation
+        from jllama.generation.conversation import Conversation
         from jllama.errors import ChatError
 
         if template is None and not self.model.chat_template:

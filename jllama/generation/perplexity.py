@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from jllama.errors import JllamaError
-from jllama.files import require_regular_file
+from jllama.platform.files import require_regular_file
 
 MIN_CTX = 3
 """The shortest chunk that scores a token: ctx - 1 - ctx // 2 >= 1 (ctx = 2 scores none, and

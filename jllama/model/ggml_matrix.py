@@ -10,7 +10,7 @@ activations quantized to int8 per 32, the float types (F32, F16, BF16) against f
 its own type: a layer's wq, wk and wv become one product (`wqkv`) even where the file stores
 them in different types (a Q4_K_M file's attn_v is often Q6_K or Q8_0 beside Q4_K or Q5_0).
 
-Both are frozen dataclasses, registered by `jllama.pytrees` (imported by the JAX code; this
+Both are frozen dataclasses, registered by `jllama.model.pytrees` (imported by the JAX code; this
 module imports no JAX) as JAX pytrees whose only leaves are the byte arrays (the type ids and
 lengths are static), so they travel through `jax.device_put` and `jax.jit` like arrays;
 `np.asarray` of either is the dequantized float32 matrix, exactly ggml's values (what the NumPy
@@ -28,7 +28,8 @@ import dataclasses
 import numpy as np
 
 from jllama.formats import ggml_quants as gq
-from jllama.ggml_repack import X8, base_type, can_repack, repack, unpack
+from jllama.model.ggml_repack import X8, base_type, can_repack, repack, unpack
+from jllama.model.quant import Int8Matrix, dequantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ class GGMLMatrix:
 
     @property
     def repacked(self) -> bool:
-        """Whether the blocks are in an x8 layout (`jllama.ggml_repack`)."""
+        """Whether the blocks are in an x8 layout (`jllama.model.ggml_repack`)."""
         return self.type_id >= X8
 
     def stored_data(self) -> np.ndarray:
@@ -310,11 +311,9 @@ def q4_0_as_q8_0(m: GGMLMatrix) -> GGMLMatrix:
 
 def for_xla(m):
     """What XLA's products (`--matvec=xla`, tensor parallelism, GPUs) take in place of a
-    GGMLMatrix or RowStack: Q8_0 and Q4_0 as a grouped `jllama.quant.Int8Matrix` (exact, about
+    GGMLMatrix or RowStack: Q8_0 and Q4_0 as a grouped `jllama.model.quant.Int8Matrix` (exact, about
     a quarter of f32's bytes), every other type (and a RowStack) dequantized to float32.
     Anything else is returned as it is."""
-    from jllama.quant import Int8Matrix
-
     if isinstance(m, (RowStack, LayerStack)):
         return np.asarray(m)
     if not isinstance(m, GGMLMatrix):
@@ -326,7 +325,7 @@ def for_xla(m):
 
 
 def repacked(m):
-    """A GGMLMatrix (or the parts of a RowStack) in its x8 layout (`jllama.ggml_repack`) where
+    """A GGMLMatrix (or the parts of a RowStack) in its x8 layout (`jllama.model.ggml_repack`) where
     it has one: every part's type among `ggml_repack.TYPES` and rows a multiple of 8; a
     RowStack only when all of its parts do (one kernel call runs them in groups of 8 rows).
     Anything else is returned as it is."""
@@ -386,3 +385,13 @@ def gate_up(w1, w3):
     if w1.repacked != w3.repacked or w1.data.ndim != 2 or w3.data.ndim != 2:
         return None
     return RowStack((w1, w3))
+
+
+def embedding_rows(table, tokens) -> np.ndarray:
+    """Rows of an embedding table as float32: `table[tokens]` for a float table, dequantized
+    for an `Int8Matrix`. tokens: an int or int array; returns f32[dim] or f32[n, dim]."""
+    if isinstance(table, Int8Matrix):
+        return dequantize(table[tokens])
+    if isinstance(table, GGMLMatrix):
+        return table.rows(tokens)
+    return np.asarray(table[tokens], dtype=np.float32)

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from jllama.fetch import jllama_home
+from jllama.platform.fetch import jllama_home
 
 FOLDER = "xla-cache"
 

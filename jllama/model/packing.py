@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jllama.ggml_matrix import MAX_PARTS, GGMLMatrix, RowStack, from_float, is_ggml
-from jllama.ggml_repack import X8, can_repack
-from jllama.quant import Int8Matrix, concatenate_rows
-from jllama.weights import LayerWeights, TransformerWeights
+from jllama.model.ggml_matrix import MAX_PARTS, GGMLMatrix, RowStack, from_float, is_ggml
+from jllama.model.ggml_repack import X8, can_repack
+from jllama.model.quant import Int8Matrix, concatenate_rows
+from jllama.model.weights import LayerWeights, TransformerWeights
 
 ALIGN = 64
 """Bytes: each matrix starts on a cache line, and XLA CPU aliases only 64-byte aligned arrays."""
@@ -44,7 +44,7 @@ DECODE_ORDER = ("wqkv", "wo", "w1", "w3", "w2")
 def _streamed(matrix) -> list[np.ndarray]:
     """The arrays a product streams: the matrix itself, an `Int8Matrix`'s int8 values (its
     per-row or per-group scales are small and stay where they are), or the blocks of GGML
-    matrices (`jllama.ggml_matrix`; a RowStack's parts in order)."""
+    matrices (`jllama.model.ggml_matrix`; a RowStack's parts in order)."""
     if isinstance(matrix, Int8Matrix):
         return [matrix.q]
     if isinstance(matrix, GGMLMatrix):
@@ -100,8 +100,8 @@ def pack_in_decode_order(
     one new host buffer in the decode step's reading order.
 
     Args:
-      layers: per-layer weights on the host (`jllama.weights.to_graph_weights`); matrices
-        float32, bfloat16, `Int8Matrix` or GGML blocks (`jllama.ggml_matrix`).
+      layers: per-layer weights on the host (`jllama.model.weights.to_graph_weights`); matrices
+        float32, bfloat16, `Int8Matrix` or GGML blocks (`jllama.model.ggml_matrix`).
       wcls: the classifier [vocab_size, dim], same kinds.
       huge_pages: place the buffer on transparent huge pages where Linux offers them
         (`host_buffer`).
@@ -217,7 +217,7 @@ class _Plan:
 
 def _planned(plan: _Plan, matrices: list, x8: bool) -> Callable[[np.ndarray], object]:
     """Plan one decode-step matrix made of `matrices` stacked along their rows (one, or wq,
-    wk, wv), as `jllama.weights.to_graph_weights` stacks them and `jllama.ggml_matrix.repacked`
+    wk, wv), as `jllama.model.weights.to_graph_weights` stacks them and `jllama.model.ggml_matrix.repacked`
     lays them out; returns the function of the buffer that builds it."""
     from jllama.kernels.repack import COPY
 
@@ -262,7 +262,7 @@ def place_weights(
     weights: TransformerWeights, *, x8: bool, threads: int, huge_pages: bool = True,
     read: str = "map",
 ) -> tuple[tuple[LayerWeights, ...], object]:
-    """`jllama.weights.to_graph_weights` and `pack_in_decode_order` in one pass, for the
+    """`jllama.model.weights.to_graph_weights` and `pack_in_decode_order` in one pass, for the
     kernels: the decode step's matrices (per layer wqkv, wo, w1, w3, w2, then wcls) end to end
     in one new host buffer in reading order, each written once from `weights` (views of a mapped
     file, or any arrays) by the kernel library on `threads` threads.
@@ -271,7 +271,7 @@ def place_weights(
       weights: file-layout weights: float32 / bfloat16 arrays, `Int8Matrix`, or GGML blocks
         (`GGMLMatrix`, `LayerStack`).
       x8: lay GGML blocks out eight rows at a time where the type has such a layout
-        (`jllama.ggml_repack`; a wqkv of several types only when all of them have), as the
+        (`jllama.model.ggml_repack`; a wqkv of several types only when all of them have), as the
         kernels' AVX2 / AVX-512 products read them.
       threads: threads to copy on.
       huge_pages: see `host_buffer`.

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jllama.backends.base import BatchDecode, CompilePlanning, Prefill, SlotCaches
-from jllama.generate import Generation
+from jllama.generation.generate import Generation
 
 
 class Slot:

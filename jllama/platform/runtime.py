@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import ResourceError
 
 
@@ -85,12 +85,12 @@ def rss_bytes() -> int:
 def check_kv_cache_fits(config: ModelConfig, key_type="f32", value_type="f32") -> None:
     """Refuse, before allocating, a KV cache larger than the host memory available.
 
-    key_type, value_type: the KV cache types (`jllama.cache_types`, names or `CacheType`s).
+    key_type, value_type: the KV cache types (`jllama.model.cache_types`, names or `CacheType`s).
 
     Raises:
       ResourceError: one line with the bytes needed and available.
     """
-    from jllama import cache_types
+    from jllama.model import cache_types
 
     need = cache_types.kv_cache_nbytes(config.n_layers, config.n_kv_heads, config.head_dim,
                                        config.seq_len, key_type, value_type)

@@ -116,7 +116,7 @@ class Generation:
         in `steps` goes through it in one call instead of `forward` token by token.
       clock: seconds as a float (injectable for tests).
       started_at: a `clock` reading from which `stats.first_token_seconds` counts (e.g. the
-        process's start, `jllama.runtime.process_start`); None: the generation's start.
+        process's start, `jllama.platform.runtime.process_start`); None: the generation's start.
       context_ids: the tokens before prompt_ids (at positions 0 .. start_pos-1), for a sampler
         that reads the history (below); the model is not fed them.
       decode_loop: optional `decode_loop(token, pos, n) -> (ids, finite)`: feeds `token` at

@@ -12,7 +12,7 @@ it across machines: every device holds a slice of every layer.
   wcls               rows split by vocabulary entry (replicated if vocab_size % N != 0)
   RMSNorm gains      replicated (f32[dim], tiny)
   KV cache blocks    split by KV head (axis 0 of [n_kv_heads, block_length, row_length], any
-                     KV cache type, `jllama.cache_types`)
+                     KV cache type, `jllama.model.cache_types`)
 
 The residual stream x: f32[dim] is replicated. Per layer XLA's SPMD partitioner then inserts
 exactly two all-reduces of dim floats (after wo and after w2: each device's product over its
@@ -21,7 +21,7 @@ weight ever moves between devices. The compiled programs are `jllama.graphs`' ow
 these shardings (`jllama.graphs.sharded`).
 
 Several processes (several hosts) form one mesh through `jax.distributed`
-(`jllama.distributed`); arrays are then built from each process's own shards
+(`jllama.platform.distributed`); arrays are then built from each process's own shards
 (`jax.make_array_from_callback`), so a process reads and holds only its slices.
 """
 
@@ -33,11 +33,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import jllama.pytrees  # noqa: F401 (registers the weight dataclasses as JAX pytrees)
-from jllama.config import ModelConfig
+import jllama.model.pytrees  # noqa: F401 (registers the weight dataclasses as JAX pytrees)
+from jllama.model.config import ModelConfig
 from jllama.errors import JllamaError
-from jllama.quant import Int8Matrix
-from jllama.weights import LayerWeights, TransformerWeights
+from jllama.model.quant import Int8Matrix
+from jllama.model.weights import LayerWeights, TransformerWeights
 
 AXIS = "model"
 """The name of the mesh's one axis: the devices a layer is split over."""
@@ -252,8 +252,8 @@ def device_memory(config: ModelConfig, weights: TransformerWeights, n_devices: i
                   cache_types=("f32", "f32")) -> DeviceMemory:
     """Bytes per device of `weights` (file layout, any dtype) split as `TensorParallel` splits
     them over `n_devices` (n_devices must pass `check_divisible`), and of the KV cache for
-    config.seq_len positions in its (key, value) `cache_types` (`jllama.cache_types`)."""
-    from jllama.cache_types import kv_cache_nbytes
+    config.seq_len positions in its (key, value) `cache_types` (`jllama.model.cache_types`)."""
+    from jllama.model.cache_types import kv_cache_nbytes
 
     n = n_devices
     split = sum(getattr(weights, f).nbytes // n for f in ("wq", "wk", "wv", "w1", "w3"))

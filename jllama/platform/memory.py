@@ -1,10 +1,10 @@
 """What a run will hold in memory, planned before anything big is allocated.
 
 A `MemoryPlan` adds up:
-  - the weights as held (`jllama.weights.weights_nbytes`: a GGUF's blocks as stored, whether
+  - the weights as held (`jllama.model.weights.weights_nbytes`: a GGUF's blocks as stored, whether
     placed in the kernels' buffer or read from the mapped file);
   - the KV cache of every slot the run may fill: slots x seq_len positions x the cache type's
-    bytes per position (`jllama.cache_types.kv_cache_nbytes`; `jllama serve --parallel=N` holds
+    bytes per position (`jllama.model.cache_types.kv_cache_nbytes`; `jllama serve --parallel=N` holds
     N slots, each growing to the whole context);
   - the process itself, measured: its RSS when the plan is made (Python, the imports, the
     tokenizer; JAX and its CPU client, as measured here, when they have not started yet), and
@@ -24,11 +24,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from jllama.cache_types import cache_type as get_cache_type
-from jllama.cache_types import describe, kv_cache_nbytes
-from jllama.config import ModelConfig
+from jllama.model.cache_types import cache_type as get_cache_type
+from jllama.model.cache_types import describe, kv_cache_nbytes
+from jllama.model.config import ModelConfig
 from jllama.errors import ResourceError
-from jllama.runtime import available_memory_bytes, rss_bytes
+from jllama.platform.runtime import available_memory_bytes, rss_bytes
 
 JAX_START_BYTES = 121 << 20
 """RSS that importing JAX and starting its CPU client added to a process here (Python 3.11,
@@ -151,14 +151,14 @@ class MemoryPlan:
 
 def memory_plan(model, slots: int = 1, cache_type: str = "f32",
                 value_type: str | None = None) -> MemoryPlan:
-    """The plan of running `model` (a `jllama.loading.Model`) with `slots` sequences of its
-    config's seq_len positions in caches of `cache_type` (a `jllama.cache_types` name; the
+    """The plan of running `model` (a `jllama.model.loading.Model`) with `slots` sequences of its
+    config's seq_len positions in caches of `cache_type` (a `jllama.model.cache_types` name; the
     values' of `value_type` when given, else the same).
 
     Raises:
       ConfigError: an unknown cache type.
     """
-    from jllama.weights import weights_dtype, weights_nbytes
+    from jllama.model.weights import weights_dtype, weights_nbytes
 
     config = model.config
     key = get_cache_type(cache_type).name

@@ -1,6 +1,6 @@
 """Converting any checkpoint jllama reads into a llama2.c checkpoint file.
 
-The source is read with `jllama.loading.open_model` (a llama2.c file of any version, a GGUF
+The source is read with `jllama.model.loading.open_model` (a llama2.c file of any version, a GGUF
 file, a known model's name, and whatever else that function reads), so its weights arrive as
 float32 or bfloat16 arrays in llama2.c's layout (GGUF quantized tensors already dequantized).
 They are written with `jllama.formats.llama2c.write_checkpoint`: version 1 (float32, export.py's
@@ -15,7 +15,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from jllama.config import ModelConfig
+from jllama.model.config import ModelConfig
 from jllama.errors import ConfigError
 from jllama.formats.llama2c import (
     DEFAULT_GROUP_SIZE,
@@ -24,7 +24,7 @@ from jllama.formats.llama2c import (
     fit_group_size,
     write_checkpoint,
 )
-from jllama.loading import open_model
+from jllama.model.loading import open_model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

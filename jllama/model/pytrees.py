@@ -2,7 +2,7 @@
 
 The weight containers are plain frozen dataclasses, so the readers (`jllama.formats`), the
 tokenizers and the NumPy reference import no JAX. The JAX code imports this module
-(`jllama.kernels` and `jllama.sharding` do, and through them `jllama.graphs` and the jax
+(`jllama.kernels` and `jllama.platform.sharding` do, and through them `jllama.graphs` and the jax
 backend), which registers them with `jax.tree_util.register_dataclass` (jax-llm-examples'
 "pytrees as registered dataclasses"):
 
@@ -23,9 +23,9 @@ import dataclasses
 
 import jax
 
-from jllama.ggml_matrix import FloatRows, GGMLMatrix, LayerStack, RowStack
-from jllama.quant import Int8Matrix
-from jllama.weights import GraphWeights, LayerWeights, TransformerWeights
+from jllama.model.ggml_matrix import FloatRows, GGMLMatrix, LayerStack, RowStack
+from jllama.model.quant import Int8Matrix
+from jllama.model.weights import GraphWeights, LayerWeights, TransformerWeights
 
 ALL_CHILDREN = (
     TransformerWeights, LayerWeights, GraphWeights, Int8Matrix, RowStack, LayerStack, FloatRows

@@ -14,6 +14,7 @@ import operator
 import numpy as np
 
 from jllama.errors import ConfigError
+from jllama.model.rope import rope_frequencies
 
 # Sizes above these are not models anyone runs on this engine; a header that claims them is
 # almost certainly a corrupt or foreign file, and refusing early avoids multi-GB allocations.
@@ -147,7 +148,7 @@ class RopeScaling:
     Attributes:
       rope_type: "linear" (every frequency divided by `factor`, i.e. positions compressed),
         "llama3" (Llama 3.1/3.2: low frequencies divided by `factor`, high ones kept, a smooth
-        blend between; `jllama.rope.rope_frequencies` has the formula), or "freq_factors"
+        blend between; `jllama.model.rope.rope_frequencies` has the formula), or "freq_factors"
         (llama.cpp's per-frequency divisors, a GGUF's `rope_freqs.weight`: frequency i divided
         by `freq_factors[i]` and then by `factor`).
       factor: the stretch, > 0 (e.g. 8.0 for Llama 3.1, 32.0 for Llama 3.2); for
@@ -297,11 +298,9 @@ class ModelConfig:
         position (seq_len - 1) * inv_freq, is finite in float32.
 
         Each parameter was checked alone above; this checks what they make together, as the
-        backends compute it (`jllama.rope.rope_frequencies`), e.g. a finite factor of 1e-38
+        backends compute it (`jllama.model.rope.rope_frequencies`), e.g. a finite factor of 1e-38
         whose inverse frequencies times 4096 positions overflow. A few microseconds.
         """
-        from jllama.rope import rope_frequencies  # here: jllama.rope imports this module
-
         with np.errstate(all="ignore"):  # what overflows is reported below, not printed
             inv_freq = rope_frequencies(self)
             last = np.float32(self.seq_len - 1) * inv_freq

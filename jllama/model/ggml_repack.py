@@ -9,7 +9,7 @@ whose `type_id` is the ggml type plus `X8`, whose data keeps the shape [rows, ro
 rows of a group hold the group's tiles end to end).
 
 This is the reference: a model's weights are repacked at load by the kernel library
-(`jllama/kernels/repack.cc`, through `jllama.packing.place_weights`: Llama-3.2-1B's 0.8 GB in
+(`jllama/kernels/repack.cc`, through `jllama.model.packing.place_weights`: Llama-3.2-1B's 0.8 GB in
 0.3-1.7 s where this took 11 s, with no intermediate arrays); the tests check that the two give
 the same bytes for every type.
 `unpack` serves `GGMLMatrix.stored_data` (dequantizing, converting).

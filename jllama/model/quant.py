@@ -18,7 +18,7 @@ scale per 32 weights of a row; read with `--dtype=int8` they are held exactly as
 `Int8Matrix` with group scales, `scale: f32[..., out, in // 32]` (`grouped`), rather than
 dequantized and quantized again per row.
 
-`Int8Matrix` is a frozen dataclass, registered as a JAX pytree by `jllama.pytrees` (imported by
+`Int8Matrix` is a frozen dataclass, registered as a JAX pytree by `jllama.model.pytrees` (imported by
 the JAX code; this module imports no JAX), so it travels through `jax.device_put` and `jax.jit`
 like the arrays it replaces; it has `shape`, `dtype` (int8), `nbytes` and `ndim`, indexes along
 its leading (layer) axis, and `np.asarray` of it is the dequantized float32 matrix (what the
@@ -165,15 +165,3 @@ def concatenate_rows(matrices: list[Int8Matrix]) -> Int8Matrix:
         q=np.concatenate([np.asarray(m.q) for m in matrices], axis=-2),
         scale=np.concatenate([np.asarray(m.scale) for m in matrices], axis=axis),
     )
-
-
-def embedding_rows(table, tokens) -> np.ndarray:
-    """Rows of an embedding table as float32: `table[tokens]` for a float table, dequantized
-    for an `Int8Matrix`. tokens: an int or int array; returns f32[dim] or f32[n, dim]."""
-    from jllama.ggml_matrix import GGMLMatrix
-
-    if isinstance(table, Int8Matrix):
-        return dequantize(table[tokens])
-    if isinstance(table, GGMLMatrix):
-        return table.rows(tokens)
-    return np.asarray(table[tokens], dtype=np.float32)
