@@ -62,31 +62,34 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
                        f"{limits.MAX_TEMPLATE_VALUE} else "
                        f"environment.call_binop(context, '+', {a}, {b}))")
 
-    # `{{ value }}` is written as `str(environment.finalize(value))`: `_finalize` sizes a list's
-    # text first. Where the value is text by construction (a filter that returns text, `~`,
-    # a string constant added to something), the check is left out: most outputs of real
-    # templates are such (`{{ message['content'] | trim }}`), and it costs a call each.
-
-    # Elsewhere the check is inline, so that a value that is a string costs no call:
-    # `str((o if (o := value).__class__ is str else environment.finalize(o)))`.
+    # `{{ value }}` is written by Jinja as `str(environment.finalize(value))`; `_finalize` sizes
+    # a container's text first. Here a value that is a string costs neither call: where it is
+    # text by construction (a filter that returns text, `~`, a string constant added to
+    # something; most outputs of real templates, `{{ message['content'] | trim }}`) it is
+    # written as it is, elsewhere a type test decides, inline:
+    # `(o if (o := value).__class__ is str else str(environment.finalize(o)))`.
 
     def _output_child_pre(self, node, frame, finalize) -> None:
-        if _is_text(node) or finalize.src is None:
-            super()._output_child_pre(node, frame, _without(finalize))
+        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
+            super()._output_child_pre(node, frame, finalize)
+            return
+        if _is_text(node):
+            self.write("(")
             return
         self._output_names = getattr(self, "_output_names", [])
         name = self.temporary_identifier()
         self._output_names.append(name)
-        super()._output_child_pre(node, frame, _without(finalize))
         self.write(f"({name} if ({name} := ")
 
     def _output_child_post(self, node, frame, finalize) -> None:
-        if _is_text(node) or finalize.src is None:
-            super()._output_child_post(node, frame, _without(finalize))
+        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
+            super()._output_child_post(node, frame, finalize)
+            return
+        if _is_text(node):
+            self.write(")")
             return
         name = self._output_names.pop()
-        self.write(f").__class__ is str else environment.finalize({name}))")
-        super()._output_child_post(node, frame, _without(finalize))
+        self.write(f").__class__ is str else str(environment.finalize({name})))")
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
         self.write("environment.bounded_concat((")
@@ -128,11 +131,6 @@ def _is_constant(node: jinja2.nodes.Node) -> bool:
     if isinstance(node, jinja2.nodes.Concat):
         return all(_is_constant(n) for n in node.nodes)
     return False
-
-
-def _without(finalize):
-    """Jinja's finalize information without the call of `environment.finalize`."""
-    return finalize._replace(src=None)
 
 
 def _bounded_output(parts: Iterable[str]) -> str:

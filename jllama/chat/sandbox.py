@@ -25,6 +25,7 @@ or the message it gave `raise_exception`), a limit reached.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -74,7 +75,7 @@ def _tojson(
     wants neither. The arguments are `json.dumps`'s, and the text is the same, refused past
     `MAX_TEMPLATE_VALUE` characters (a list holding one string many times is small to make and
     huge to write): sized before `json.dumps` writes it, or, with an `indent` (where json's
-    Python encoder writes it piece by piece anyway), as it is written. `indent` is at most
+    Python encoder writes it piece by piece anyway), before its pieces are joined. `indent` is at most
     `MAX_JSON_INDENT`.
     """
     width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
@@ -83,13 +84,31 @@ def _tojson(
                         f"{MAX_JSON_INDENT})")
     if indent is None:
         # json.dumps's C encoder writes the whole text in one call: size it first.
-        limits.check_size(limits.text_size(value))
+        if type(value) is not str:
+            limits.check_size(limits.text_size(value))
+        elif len(value) > limits.MAX_TEMPLATE_VALUE:
+            raise limits.too_large(len(value))
         return json.dumps(value, ensure_ascii=ensure_ascii, separators=separators,
                           sort_keys=sort_keys)
-    encoder = json.JSONEncoder(
+    # With an indent, json's Python encoder makes the text piece by piece (Python code the
+    # watcher can stop): the pieces are counted as they come, a batch at a time (a check per
+    # piece costs a fifth of the encoding), and refused once past the limit.
+    pieces = json.JSONEncoder(
         ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-    return limits.join_bounded(encoder.iterencode(value), limits.MAX_TEMPLATE_VALUE)
+    ).iterencode(value)
+    chunks: list[str] = []
+    n = 0
+    while batch := list(itertools.islice(pieces, _JSON_BATCH)):
+        n += sum(map(len, batch))
+        if n > limits.MAX_TEMPLATE_VALUE:
+            raise ChatError(f"chat template: tojson wrote more than {limits.MAX_TEMPLATE_VALUE} "
+                            "characters (refused)")
+        chunks += batch
+    return "".join(chunks)
+
+
+_JSON_BATCH = 64
+"""Pieces of indented JSON made between two checks of the text's length."""
 
 
 MAX_JSON_INDENT = 64

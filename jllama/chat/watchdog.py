@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from threading import get_ident
 
 from jllama.platform.runtime import rss_bytes
 
@@ -42,8 +43,9 @@ class Stopped(BaseException):
 
 
 # A rendering's record: a list, not an object, so that registering one is a few C calls.
-THREAD, DEADLINE, START_RSS, REASON, DONE = range(5)
-
+# SECONDS is what `start` was given; the watcher sets DEADLINE and START_RSS when it first
+# sees the rendering (at most `POLL_SECONDS` after it starts: no clock is read per rendering).
+THREAD, SECONDS, DEADLINE, START_RSS, REASON, DONE = range(6)
 
 class _Watcher:
     """The watcher thread and the renderings it watches (`renderings`: id(record) -> record).
@@ -53,7 +55,9 @@ class _Watcher:
     the watcher has raised. The order makes that safe: `stop` sets DONE before it reads
     REASON, the watcher sets REASON before it reads DONE and raises under the lock, so an
     exception raised for a rendering is withdrawn under the lock after it is raised, or never
-    raised.
+    raised. Going idle is safe the same way: the watcher sets `idle` before it reads
+    `renderings`, `start` adds to `renderings` before it reads `idle`, so one of them sees
+    the other (the watcher does not wait, or `start` wakes it).
     """
 
     def __init__(self) -> None:
@@ -79,6 +83,9 @@ class _Watcher:
 
     def _run(self) -> None:
         while True:
+            # Idle as soon as no rendering is registered: looking every POLL_SECONDS while
+            # renderings come and go costs each of them more (the GIL handed to this thread
+            # at each look) than being woken when one starts after a quiet spell.
             self.idle = True
             if not self.renderings:
                 self.wake.wait()
@@ -88,14 +95,15 @@ class _Watcher:
             renderings = list(self.renderings.values())
             if not renderings:
                 continue
-            rss = rss_bytes() or None  # 0: not readable here
             now = time.monotonic()
+            rss = rss_bytes() or None  # 0: not readable here
             for rendering in renderings:
-                if rendering[START_RSS] is None:
+                if rendering[DEADLINE] is None:
+                    rendering[DEADLINE] = now + rendering[SECONDS]
                     rendering[START_RSS] = rss
                 reason = None
                 if now > rendering[DEADLINE]:
-                    reason = f"rendering took more than {MAX_TEMPLATE_SECONDS:g} s"
+                    reason = f"rendering took more than {rendering[SECONDS]:g} s"
                 elif rss is not None and rendering[START_RSS] is not None and (
                     rss - rendering[START_RSS] > MAX_TEMPLATE_GROWTH
                 ):
@@ -122,7 +130,7 @@ def start(seconds: float = MAX_TEMPLATE_SECONDS) -> list:
     once the rendering ends (in a `finally`). `record[REASON]` says why the watcher stopped
     it (None while it has not). Functions rather than a context manager: they cost a
     rendering less (a fraction of a microsecond)."""
-    rendering = [threading.get_ident(), time.monotonic() + seconds, None, None, False]
+    rendering = [get_ident(), seconds, None, None, None, False]
     _RENDERINGS[id(rendering)] = rendering
     if _WATCHER.idle:
         _WATCHER.start_thread() if _WATCHER.thread is None else _WATCHER.wake.set()
