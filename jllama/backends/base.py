@@ -15,6 +15,8 @@ with `isinstance` (each is `runtime_checkable`) and uses what is there:
   Described        its platform, and notes on what `prepare` chose
   SlotCaches       more than one sequence's KV cache, switched between without copies
   BatchDecode      one token for each of several sequences (their own caches) per call
+  Verify           several consecutive positions of one sequence per call, each row's logits
+                   bit-identical to `forward`'s (speculative decoding's check)
 """
 
 from __future__ import annotations
@@ -162,6 +164,18 @@ class BatchDecode(Protocol):
     def batch_kernels(self) -> bool:
         """Whether `decode_batch` runs jllama's CPU kernels (so the rows' tokens may be drawn
         by `jllama.kernels.batched.sample_batch` too); else `forward` per sequence."""
+        ...
+
+
+@runtime_checkable
+class Verify(Protocol):
+    """A backend that runs several consecutive positions of the sequence in use in one call,
+    each row's logits the bits `forward` gives (speculative decoding's verification)."""
+
+    def verify(self, tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        """Logits f32[R, vocab_size] of `tokens` fed at start_pos, start_pos + 1, ...: row r
+        is what `forward(tokens[r], start_pos + r)` returns after the rows before it, bit for
+        bit, and the KV cache holds what those forwards would write."""
         ...
 
 

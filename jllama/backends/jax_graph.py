@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from jllama import graphs
 from jllama import kernels
 from jllama.model.cache_types import cache_type as _cache_type
-from jllama.backends.jax_batch import BatchSteps
+from jllama.backends.jax_verify import VerifySteps
 from jllama.backends.jax_caches import LazyBlocks, layer_caches
 from jllama.backends.jax_compile import CompilePlan
 from jllama.backends.jax_loop import LOOP_CHUNK, LOOP_STOP_IDS
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-class JaxGraphBackend(CompilePlan, BatchSteps):
+class JaxGraphBackend(CompilePlan, VerifySteps):
     """Graph-compiled backend over per-layer device arrays and per-layer head-major caches.
 
     Args:

@@ -178,6 +178,9 @@ class Generation:
         feeds through `forward`, so a caller may compute those logits ahead (a batched step
         over several generations, `jllama.engine`); None when the next step calls no forward
         (a prefill, the device loop, the end)."""
+        self.speculation = None
+        """The `jllama.generation.speculative.SpeculationStats` of a generation decoded with
+        drafts (set by `Session.generate`), or None."""
         self.constraint = None
         """The `jllama.constrain.ConstrainedSampler` the tokens are sampled through (set by
         `Session.generate` for a generation with a grammar: its mask time and count), or None."""

@@ -41,6 +41,13 @@ from jllama.errors import JllamaError
 from jllama.generation.generate import Generation
 from jllama.sampling import Sampler, SamplerConfig, restrict_to_vocabulary
 from jllama.generation.session_slots import Slot, SlotsMixin
+from jllama.generation.speculative import (
+    DRAFTERS,
+    SpeculativeDecoder,
+    greedy,
+    make_drafter,
+    verifier,
+)
 from jllama.generation.streaming import Completion, LogitsRecorder, Text
 
 if TYPE_CHECKING:  # llguidance is imported where a grammar is used (it costs ~70 ms)
@@ -73,9 +80,12 @@ class Session(SlotsMixin):
 
     def __init__(self, model, backend: Backend, *, decode: str = "auto",
                  prefill: str = "chunked", device_sampling: bool = True,
-                 compile_ahead: bool = True):
+                 compile_ahead: bool = True, draft: str = "none", draft_tokens: int = 8):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode={decode!r}; known: {', '.join(DECODE_MODES)}")
+        if draft not in DRAFTERS:
+            raise ValueError(f"draft={draft!r}; known: {', '.join(DRAFTERS)}")
+        self.draft, self.draft_tokens = draft, draft_tokens
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r}; known: {', '.join(PREFILL_MODES)}")
         self.model = model
@@ -234,12 +244,29 @@ class Session(SlotsMixin):
             if vocabulary.end_id not in stop_ids:
                 stop_ids += (vocabulary.end_id,)  # a complete grammar ends the generation
         loop = None
+        speculation = None
+        if (self.draft != "none" and grammar is None and not host_logits and sample is None
+                and greedy(sampler)):
+            plain = None
+            if self.decode_mode(sampler) == "loop":
+                plain = LoopDecoder(self.backend, sampler, stop_ids)
+                if (plain.kind, False) not in self._loops_compiled and start_pos == 0:
+                    self.backend.compile_loop(plain.kind)
+                self._loops_compiled.add((plain.kind, False))
+                plain = self._bound(slot, plain)
+            speculation = SpeculativeDecoder(
+                self._bound(slot, verifier(self.backend)), make_drafter(self.draft),
+                [*context_ids, *prompt_ids], stop_ids, self.config.seq_len, self.draft_tokens,
+                self.tokenizer.vocab_size if self.padded else None, plain,
+            )
         # A padded vocabulary is masked on the host (restrict_to_vocabulary), so graph mode;
         # so is a grammar where the device loop takes no masks.
         masked = grammar is not None
         host_mask = masked and (self.padded or not (isinstance(self.backend, DeviceLoop)
                                                     and self.backend.loop_masks))
-        if self.decode_mode(sampler, host_logits or host_mask) == "loop":
+        if speculation is not None:
+            loop = speculation
+        elif self.decode_mode(sampler, host_logits or host_mask) == "loop":
             loop = LoopDecoder(self.backend, sampler, stop_ids)
             if (loop.kind, masked) not in self._loops_compiled and start_pos == 0:
                 # At position 0, before the sequence starts (it rewrites that position).
@@ -252,7 +279,7 @@ class Session(SlotsMixin):
             # The prompt's chunk programs and the windows the decode grows into, now rather
             # than inside the timed prefill and in the middle of decoding.
             self.backend.compile_for(len(prompt_ids), start_pos + steps - 1,
-                                     loop.kind if loop is not None else None,
+                                     loop.kind if isinstance(loop, LoopDecoder) else None,
                                      chunked=prefill is not None, start=start_pos,
                                      masked=loop is not None and masked)
         drawn_by = sampler if sample is None and isinstance(sampler, Sampler) else None
@@ -277,6 +304,7 @@ class Session(SlotsMixin):
             context_ids=context_ids, started_at=started_at,
         )
         slot.active.constraint = constraint
+        slot.active.speculation = None if speculation is None else speculation.stats
         return slot.active
 
     def encode(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:

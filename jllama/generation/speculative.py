@@ -1,0 +1,219 @@
+"""Speculative decoding whose output is the plain decode's, bit for bit: drafted tokens checked
+by one verification call over consecutive positions (`jllama.backends.base.Verify`), each row's
+logits the bits `forward` gives for that position alone.
+
+A greedy generation's next token is run.c's argmax of the logits at its position. Given a
+draft d1 .. dk of what follows `token` at `pos`, one call computes the logits of
+[token, d1, .., dk] at pos .. pos + k; the target's tokens g0, g1, .. are their argmaxes, and
+g_r is accepted as the next token whenever every draft before it matched (d_i == g_{i-1} for
+i <= r): then the rows up to r saw exactly the tokens plain decoding would have fed, so g_r is
+plain decoding's token. The first mismatch ends the run (its g is still the right token, from
+a row whose inputs were right); the cache positions after it hold rejected tokens' keys and
+are written over by the next call before anything reads them (attention at a position reads
+positions up to it only). So the tokens are plain greedy decoding's, whatever the drafts.
+
+Drafters:
+
+  NgramDrafter  prompt lookup: the tokens that followed the latest earlier occurrence of the
+                sequence's last n tokens (n from `max_n` down to `min_n`); free to compute,
+                right where a reply repeats its prompt (editing, code, quoting).
+
+`SpeculativeDecoder` is a `decode_loop(token, pos, n) -> (ids, finite)` for
+`jllama.generation.generate.Generation`: each call returns the accepted tokens of one
+verification (1 .. k + 1 of them). The draft length adapts: it grows by one after a draft
+accepted whole and halves after one rejected at its first token; where the drafter finds
+nothing the generation's plain decode runs (`plain`), so text that does not repeat costs what
+plain decoding costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jllama.backends.base import Verify
+from jllama.generation.device_loop import runc_settings_only
+from jllama.sampling import Sampler, argmax
+
+DRAFTERS = ("none", "ngram")
+"""What `--draft` takes."""
+
+MAX_DRAFT_TOKENS = 15
+"""The most tokens one draft proposes (the verification program's largest row count, 16,
+less the token fed)."""
+
+
+class NgramDrafter:
+    """Prompt lookup over the sequence's own tokens.
+
+    Args:
+      max_n, min_n: the longest and shortest suffix (tokens) looked up, longest first.
+
+    The index (n-gram -> the position after its latest earlier occurrence) grows with the
+    sequence, so a draft costs a few dictionary lookups however long the sequence is.
+    """
+
+    def __init__(self, max_n: int = 4, min_n: int = 2):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self._seen: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}
+
+    def _update(self, history: Sequence[int]) -> None:
+        seen = self._seen
+        if len(history) < len(seen) or history[:len(seen)] != seen:
+            seen.clear()  # another sequence, or one rewound: index it anew
+            self._index.clear()
+        start = len(seen)
+        seen.extend(history[start:])
+        # Index the n-grams that end before the last token: each has a continuation.
+        for end in range(max(start, 1), len(seen)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._index[tuple(seen[end - n:end])] = end
+
+    def draft(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens proposed to follow `history` (the sequence so far, the last token
+        included); [] when its last tokens occurred nowhere before."""
+        if k < 1:
+            return []
+        self._update(history)
+        seen = self._seen
+        for n in range(min(self.max_n, len(seen) - 1), self.min_n - 1, -1):
+            after = self._index.get(tuple(seen[-n:]))
+            if after is not None:
+                return seen[after:after + k]
+        return []
+
+
+def make_drafter(name: str):
+    """The drafter `--draft=name` asks for (None for "none").
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    if name == "none":
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    raise ValueError(f"draft={name!r}; known: {', '.join(DRAFTERS)}")
+
+
+def greedy(sampler) -> bool:
+    """Whether `sampler` draws run.c's argmax: a `Sampler` at temperature 0 with run.c's
+    settings only (a repetition penalty or the like reads more than the logits)."""
+    return (isinstance(sampler, Sampler) and sampler.config.temperature == 0
+            and runc_settings_only(sampler.config))
+
+
+def verifier(backend) -> Callable[[Sequence[int], int], np.ndarray]:
+    """`verify(tokens, start_pos) -> f32[R, vocab]` of `backend`: its own (`Verify`), or
+    `forward` one position at a time (the same logits, no faster)."""
+    if isinstance(backend, Verify):
+        return backend.verify
+    forward = backend.forward
+
+    def one_at_a_time(tokens: Sequence[int], start_pos: int) -> np.ndarray:
+        return np.stack([forward(t, start_pos + r) for r, t in enumerate(tokens)])
+
+    return one_at_a_time
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """What a generation's speculation did: tokens drafted, drafted tokens accepted, and
+    verification calls (each yields 1 + its accepted drafts tokens)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    calls: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class SpeculativeDecoder:
+    """`decode_loop(token, pos, n) -> (ids, finite)` for a greedy `Generation`: `token` fed at
+    `pos` with a draft after it in one `verify` call, the accepted tokens returned.
+
+    Args:
+      verify: `verify(tokens, start_pos) -> f32[R, vocab]` (`jllama.backends.base.Verify`, or
+        `forward` per token where the backend has none: the same tokens, no faster).
+      drafter: an `NgramDrafter` (anything with `draft(history, k) -> list[int]`).
+      history: the tokens at positions 0 .. (context and prompt): what the drafter reads.
+      stop_ids: tokens that end the generation (none drafted past one).
+      seq_len: the context: no position at or past it is fed.
+      max_draft: the longest draft (1 .. MAX_DRAFT_TOKENS).
+      n_logits: the logits that are tokens (a padded vocabulary's tail is never chosen), or
+        None for all of them.
+      plain: the generation's own `decode_loop` without drafts (the device loop, greedy), for
+        stretches where the drafter finds nothing: 1, 2, 4, .. 16 tokens a call while it
+        keeps finding nothing (its tokens are the same argmaxes), so text that does not
+        repeat decodes at the plain loop's speed. None: one `verify` of one token.
+    """
+
+    def __init__(self, verify: Callable[[Sequence[int], int], np.ndarray], drafter,
+                 history: Sequence[int], stop_ids: Sequence[int], seq_len: int,
+                 max_draft: int = 8, n_logits: int | None = None,
+                 plain: Callable[[int, int, int], tuple[list[int], bool]] | None = None):
+        if not 1 <= max_draft <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens={max_draft} must be in 1..{MAX_DRAFT_TOKENS}")
+        self._verify, self._drafter = verify, drafter
+        self.history = [int(t) for t in history]
+        self._stop_ids = frozenset(stop_ids)
+        self._seq_len = seq_len
+        self.max_draft = max_draft
+        self.k = min(4, max_draft)
+        self._n_logits = n_logits
+        self._plain = plain
+        self._misses = 0  # calls in a row whose drafter found nothing
+        self.stats = SpeculationStats()
+
+    def __call__(self, token: int, pos: int, n: int) -> tuple[list[int], bool]:
+        history = self.history
+        del history[pos:]  # positions 0 .. pos - 1 hold what was fed; `token` goes at pos
+        history.append(int(token))
+        room = min(n, self._seq_len - pos) - 1  # draft tokens the call may feed after token
+        draft = self._drafter.draft(history, min(self.k, room)) if room > 0 else []
+        for i, drafted in enumerate(draft):
+            if drafted in self._stop_ids:  # a run ends at a stop token: feed none
+                del draft[i:]
+                break
+        if not draft and self._plain is not None:
+            self._misses += 1
+            ids, finite = self._plain(token, pos, min(n, 1 << min(self._misses - 1, 4)))
+            self.stats.calls += 1
+            history.extend(ids[:-1])
+            return ids, finite
+        self._misses = 0
+        rows = np.asarray(self._verify([int(token), *draft], pos))
+        ids: list[int] = []
+        for r in range(len(draft) + 1):
+            logits = rows[r] if self._n_logits is None else rows[r][:self._n_logits]
+            if not np.isfinite(logits).all():
+                return ids, False
+            chosen = int(argmax(logits))
+            ids.append(chosen)
+            if chosen in self._stop_ids or r == len(draft) or chosen != draft[r]:
+                break
+        # ids[:-1] matched the draft; the last is the target's own (the draft holds no stop
+        # token, so a stop token ending the run is never a match).
+        self._adapt(len(draft), len(ids) - 1)
+        history.extend(ids[:-1])
+        return ids, True
+
+    def _adapt(self, drafted: int, accepted: int) -> None:
+        stats = self.stats
+        stats.calls += 1
+        if not drafted:
+            return
+        stats.drafted += drafted
+        stats.accepted += accepted
+        if accepted == drafted:
+            self.k = min(2 * self.k, self.max_draft)
+        elif accepted == 0:
+            self.k = max(1, self.k // 2)

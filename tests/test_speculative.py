@@ -1,0 +1,240 @@
+"""Speculative decoding (issue 35): the verification step's rows are `forward`'s bits, and a
+greedy generation with n-gram drafts gives exactly the tokens plain greedy decoding gives.
+
+References: `forward` one position at a time (the decode path every other test checks against
+llama2.c's run.c and llama.cpp), and drafts worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_batch_decode import GGUF_GQA, GQA, gguf_backend  # noqa: F401 (a fixture)
+
+from jllama.backends import make_backend
+from jllama.backends.base import Verify
+from jllama.generation.session import Session
+from jllama.generation.speculative import MAX_DRAFT_TOKENS, NgramDrafter, SpeculativeDecoder
+from jllama.model.loading import open_model
+from jllama.model.weights import cast_weights, random_weights
+from jllama.sampling import Sampler
+
+# Runs of positions fed to one `verify` call: single rows, every compiled size, and runs that
+# cross the cache block boundary at 256 (254 .. 261 and 509 .. 515 with GQA's 600 positions).
+RUNS = [1, 3, 16, 8, 2, 15, 4, 9, 5, 1, 7, 12, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 14,
+        8, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 13]
+
+
+def _verify_against_forward(backend, n_tokens, seed=0, runs=RUNS):
+    """Logits of random tokens through `forward` on one fresh cache and through `verify` runs
+    on another: every row must have the same bits."""
+    rng = np.random.default_rng(seed)
+    tokens = [int(t) for t in rng.integers(0, backend.config.vocab_size, n_tokens)]
+    before = backend.use_caches(backend.new_caches())
+    try:
+        ref = np.stack([backend.forward(t, p) for p, t in enumerate(tokens)])
+        backend.use_caches(backend.new_caches())
+        got, pos = [], 0
+        for n in runs:
+            n = min(n, n_tokens - pos)
+            if n <= 0:
+                break
+            got.extend(backend.verify(tokens[pos:pos + n], pos))
+            pos += n
+    finally:
+        backend.use_caches(before)
+    got = np.stack(got)
+    for p in range(pos):
+        assert np.array_equal(got[p], ref[p]), (p, float(np.abs(got[p] - ref[p]).max()))
+    return pos
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_verify_rows_are_forward_bits(dtype):
+    backend = make_backend("jax", matvec="kernel")
+    backend.prepare(GQA, cast_weights(random_weights(GQA, seed=4, scale=0.1), dtype))
+    assert isinstance(backend, Verify) and backend.batch_kernels()
+    assert _verify_against_forward(backend, 530) == 530  # across both block boundaries
+
+
+def test_verify_rows_of_ggml_blocks_are_forward_bits(gguf_backend):  # noqa: F811
+    assert gguf_backend.batch_kernels()
+    assert _verify_against_forward(gguf_backend, 300, seed=3) == 300
+
+
+def test_verify_through_xla_products_is_forward_per_position():
+    backend = make_backend("jax", matvec="xla")
+    backend.prepare(GQA, random_weights(GQA, seed=4, scale=0.1))
+    assert not backend.batch_kernels()
+    assert _verify_against_forward(backend, 40, runs=[1, 5, 16, 8, 10]) == 40
+
+
+# ------------------------------------------------------------------------------------------
+# Drafts worked out by hand.
+
+def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
+    d = NgramDrafter(max_n=3, min_n=2)
+    history = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6]
+    # The suffix (5, 6) last occurred at 5..6, followed by 7, 1, 2, 5, 6.
+    assert d.draft(history, 3) == [7, 1, 2]
+    assert d.draft(history + [7], 4) == [1, 2, 5, 6]  # (5, 6, 7): latest at 5..7
+    assert d.draft([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert d.draft([3, 3], 4) == []  # a bigram needs an earlier occurrence
+    assert d.draft([3, 3, 3], 4) == [3]  # (3, 3) at 0..1, followed by 3
+    assert d.draft(history, 0) == []
+
+
+def test_ngram_drafter_reindexes_another_sequence():
+    d = NgramDrafter()
+    assert d.draft([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert d.draft([7, 8, 9, 7, 8], 2) == [9, 7]  # not [3, 1] from the first sequence
+
+
+def test_decoder_accepts_up_to_the_first_mismatch_and_keeps_the_targets_token():
+    """A fake target whose argmax after token t is t + 1 (mod 10): drafts of the right tokens
+    are accepted, the first wrong one is replaced by the target's."""
+    vocab = 10
+
+    def verify(tokens, start_pos):
+        rows = np.zeros((len(tokens), vocab), np.float32)
+        for r, t in enumerate(tokens):
+            rows[r, (t + 1) % vocab] = 1.0
+        return rows
+
+    class Fixed:
+        def __init__(self, draft):
+            self.next = draft
+
+        def draft(self, history, k):
+            return self.next[:k]
+
+    drafter = Fixed([4, 5, 9, 9])
+    dec = SpeculativeDecoder(verify, drafter, [1, 2], stop_ids=[0], seq_len=100, max_draft=4)
+    # token 3 at pos 2: target 4, 5, 6; the draft's 4, 5 match, its 9 does not -> 4, 5, 6.
+    assert dec(3, 2, 50) == ([4, 5, 6], True)
+    assert dec.history == [1, 2, 3, 4, 5]
+    assert (dec.stats.drafted, dec.stats.accepted) == (4, 2)
+    drafter.next = [8, 9, 0, 1]  # the stop token 0 is not fed: the draft is cut before it
+    assert dec(7, 5, 50) == ([8, 9, 0], True)  # ends at the target's stop token
+    drafter.next = [1, 2, 3]
+    assert dec(0, 9, 2) == ([1, 2], True)  # n = 2 tokens wanted: one draft token fed
+    assert dec(0, 98, 50) == ([1, 2], True)  # position 99 is the context's last
+    assert dec(0, 99, 50) == ([1], True)  # no room after it to feed a draft
+
+
+def test_decoder_stops_at_logits_that_are_not_finite():
+    def verify(tokens, start_pos):
+        rows = np.zeros((len(tokens), 4), np.float32)
+        rows[:, 1] = 1
+        rows[1, 2] = np.nan
+        return rows
+
+    class Ones:
+        def draft(self, history, k):
+            return [1] * k
+
+    dec = SpeculativeDecoder(verify, Ones(), [0], stop_ids=[], seq_len=50, max_draft=3)
+    assert dec(1, 1, 10) == ([1], False)
+
+
+def test_max_draft_is_checked():
+    with pytest.raises(ValueError, match="draft_tokens"):
+        SpeculativeDecoder(lambda t, p: None, NgramDrafter(), [], [], 10,
+                           max_draft=MAX_DRAFT_TOKENS + 1)
+
+
+# ------------------------------------------------------------------------------------------
+# Whole generations: the same tokens with and without drafts.
+
+PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside. "
+          "Once upon a time, there was a little girl named")
+
+
+def _greedy(model, backend, draft, steps, decode="auto", prompt=PROMPT, **options):
+    session = Session.prepare(model, backend, decode=decode, draft=draft, **options)
+    generation = session.generate(session.encode(prompt), Sampler(temperature=0.0),
+                                  steps=steps)
+    return [t.id for t in generation], generation.speculation
+
+
+@pytest.mark.parametrize("backend, decode", [("jax", "auto"), ("jax", "graph"),
+                                             ("numpy", "auto")])
+def test_greedy_with_ngram_drafts_is_plain_greedy(backend, decode):
+    model = open_model(None)
+    steps = 256 if backend == "jax" else 120
+    plain, none = _greedy(model, backend, "none", steps, decode)
+    drafted, stats = _greedy(model, backend, "ngram", steps, decode)
+    assert none is None
+    assert drafted == plain
+    assert stats.drafted > 0 and stats.accepted > 0  # the drafts were used
+
+
+def test_sampled_generations_decode_plainly():
+    model = open_model(None)
+    session = Session.prepare(model, "jax", draft="ngram")
+    generation = session.generate(session.encode(PROMPT), Sampler(temperature=0.8, seed=3),
+                                  steps=64)
+    list(generation)
+    assert generation.speculation is None
+
+
+def test_an_unknown_drafter_is_refused():
+    with pytest.raises(ValueError, match="draft='eagle'"):
+        Session(open_model(None), make_backend("numpy"), draft="eagle")
+
+
+_AVX2_CHECK = """
+import json, sys
+sys.path.insert(0, "tests")
+from test_speculative import _greedy, _verify_against_forward
+from jllama.backends import make_backend
+from jllama.model.loading import open_model
+from jllama.kernels import library
+model = open_model(None)
+backend = make_backend("jax", matvec="kernel")
+backend.prepare(model.config, model.weights)
+rows = _verify_against_forward(backend, 270)
+plain, _ = _greedy(model, "jax", "none", 200)
+drafted, stats = _greedy(model, "jax", "ngram", 200)
+print(json.dumps({"rows": rows, "same": plain == drafted, "accepted": stats.accepted}))
+"""
+
+
+def test_the_x86_64_v3_kernels_verify_bit_exactly_too():
+    """An AVX2-only machine's build (JLLAMA_MARCH=x86-64-v3: the kernels' other branches)."""
+    env = {**os.environ, "JLLAMA_MARCH": "x86-64-v3"}
+    done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"rows": 270, "same": True, "accepted": result["accepted"]}
+    assert result["accepted"] > 0
+
+
+EDIT = ("Repeat the following passage exactly, but change 'keeper' to 'guardian':\n\n"
+        "The old lighthouse stood at the edge of the cliff, its white paint peeling in long "
+        "strips. Every evening the keeper climbed the one hundred and twelve steps to light the "
+        "lamp, and every morning he climbed them again to put it out.")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_with_ngram_drafts_is_plain_greedy(smollm2_gguf):
+    """The shipped Q4_1 SmolLM2 (GGML blocks through the x8 kernels), asked to repeat a
+    passage with one change: most of the reply is drafted and accepted."""
+    from jllama.chat import ChatTemplate
+
+    model = open_model(smollm2_gguf)
+    prompt = ChatTemplate(model.chat_template).render([{"role": "user", "content": EDIT}])
+    runs = {}
+    for draft in ("none", "ngram"):
+        session = Session.prepare(model, "jax", draft=draft, draft_tokens=15)
+        generation = session.generate(session.encode(prompt, parse_special=True),
+                                      Sampler(temperature=0.0), max_tokens=96)
+        runs[draft] = ([t.id for t in generation], generation.speculation)
+    (plain, _), (drafted, stats) = runs["none"], runs["ngram"]
+    assert len(plain) > 60 and drafted == plain
+    assert stats.accepted > 20
