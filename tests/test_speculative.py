@@ -117,7 +117,7 @@ def test_decoder_accepts_up_to_the_first_mismatch_and_keeps_the_targets_token():
     # token 3 at pos 2: target 4, 5, 6; the draft's 4, 5 match, its 9 does not -> 4, 5, 6.
     assert dec(3, 2, 50) == ([4, 5, 6], True)
     assert dec.history == [1, 2, 3, 4, 5]
-    assert (dec.stats.drafted, dec.stats.accepted) == (4, 2)
+    assert (dec.stats.drafted_tokens, dec.stats.accepted_tokens) == (4, 2)
     drafter.next = [8, 9, 0, 1]  # the stop token 0 is not fed: the draft is cut before it
     assert dec(7, 5, 50) == ([8, 9, 0], True)  # ends at the target's stop token
     drafter.next = [1, 2, 3]
@@ -167,10 +167,10 @@ def test_greedy_with_ngram_drafts_is_plain_greedy(backend, decode):
     model = open_model(None)
     steps = 256 if backend == "jax" else 120
     plain, none = _greedy(model, backend, "none", steps, decode)
-    drafted, stats = _greedy(model, backend, "ngram", steps, decode)
+    drafted, decoder = _greedy(model, backend, "ngram", steps, decode)
     assert none is None
     assert drafted == plain
-    assert stats.drafted > 0 and stats.accepted > 0  # the drafts were used
+    assert decoder.stats.drafted_tokens > 0 and decoder.stats.accepted_tokens > 0  # used
 
 
 def test_sampled_generations_decode_plainly():
@@ -199,8 +199,9 @@ backend = make_backend("jax", matvec="kernel")
 backend.prepare(model.config, model.weights)
 rows = _verify_against_forward(backend, 270)
 plain, _ = _greedy(model, "jax", "none", 200)
-drafted, stats = _greedy(model, "jax", "ngram", 200)
-print(json.dumps({"rows": rows, "same": plain == drafted, "accepted": stats.accepted}))
+drafted, decoder = _greedy(model, "jax", "ngram", 200)
+print(json.dumps({"rows": rows, "same": plain == drafted,
+                  "accepted": decoder.stats.accepted_tokens}))
 """
 
 
@@ -234,7 +235,7 @@ def test_smollm2_greedy_with_ngram_drafts_is_plain_greedy(smollm2_gguf):
         session = Session.prepare(model, "jax", draft=draft, draft_tokens=15)
         generation = session.generate(session.encode(prompt, parse_special=True),
                                       Sampler(temperature=0.0), max_tokens=96)
-        runs[draft] = ([t.id for t in generation], generation.speculation)
+        runs[draft] = ([t.id for t in generation], generation.stats)
     (plain, _), (drafted, stats) = runs["none"], runs["ngram"]
     assert len(plain) > 60 and drafted == plain
-    assert stats.accepted > 20
+    assert stats.accepted_tokens > 20

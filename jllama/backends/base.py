@@ -115,7 +115,9 @@ class CompilePlanning(Protocol):
         """Compile what `prompt_len` prompt tokens fed from `start` (batched when `chunked`)
         and decoding up to position `last` need (`kind`: the device loop's sampler, or None;
         `masked`: its program with a grammar's mask);
-        leaves positions < start in the cache as they are. Returns the seconds taken."""
+        leaves positions < start in the cache as they are. Returns the seconds taken.
+        A `Verify` backend also takes `verify=True` (asked only of a generation decoded with
+        drafts): its verification programs too."""
         ...
 
 

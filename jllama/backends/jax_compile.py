@@ -24,7 +24,7 @@ class CompilePlan(PrefillSteps, DeviceLoopSteps):
 
     def compile_for(
         self, prompt_len: int, last: int, kind: str | None = None, chunked: bool = True,
-        start: int = 0, masked: bool = False,
+        start: int = 0, masked: bool = False, verify: bool = False,
     ) -> float:
         """Compile, before a generation, the programs it will need that are not compiled yet:
         the prefill chunk programs of `prompt_len` prompt tokens fed from position `start`
@@ -39,8 +39,9 @@ class CompilePlan(PrefillSteps, DeviceLoopSteps):
         on token 0 at a position >= start it will serve: it writes only positions that the
         generation writes again before anything reads them, so a conversation can call it
         before each turn with `start` at the turn's first new position (positions < start
-        keep their keys and values). Returns the seconds it took (also added to
-        `compile_seconds`)."""
+        keep their keys and values). With `verify`, the speculative verification programs
+        of the decode positions too (`warm_verify`). Returns the seconds it took (also added
+        to `compile_seconds`)."""
         config = self._prepared("compile_for")
         began = time.perf_counter()
         blocks = functools.partial(graphs.attention_blocks, config.seq_len)
@@ -66,6 +67,8 @@ class CompilePlan(PrefillSteps, DeviceLoopSteps):
                 self._compiled.add(loop_key)
                 bits = all_allowed(config.vocab_size) if masked else None
                 self.decode_loop(0, pos, 1, kind=kind, coins=[0.0], allowed_bits=bits)
+        if verify and end <= final:
+            self.warm_verify(end, final)
         seconds = time.perf_counter() - began
         self.compile_seconds += seconds
         return seconds

@@ -57,8 +57,9 @@ class VerifySteps(BatchSteps):
             i += n
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _verify_part(self, pairs) -> np.ndarray:
-        """2 .. max(VERIFY_SIZES) positions in one cache block through `layer_verify`."""
+    def _verify_part(self, pairs, layers=None) -> np.ndarray:
+        """2 .. max(VERIFY_SIZES) positions in one cache block through `layer_verify`, over
+        every layer or the layers of index `layers` only (compiling: `warm_layers`)."""
         config = self.config
         live = len(pairs)
         size = verify_size(live)
@@ -75,8 +76,8 @@ class VerifySteps(BatchSteps):
         pos_arr = self._put(pos)
         count = self._put(np.int32(live))
         key_zero, value_zero = self._zero_blocks
-        for l, layer in enumerate(self.layers):
-            keys, values = self.key_cache[l], self.value_cache[l]
+        for l in range(len(self.layers)) if layers is None else layers:
+            layer, keys, values = self.layers[l], self.key_cache[l], self.value_cache[l]
             x, keys[cur], values[cur] = layer_verify(
                 config, x, count, pos_arr, layer.rms_att_weight, layer.wqkv, layer.wo,
                 layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3, self.inv_freq,
@@ -86,3 +87,22 @@ class VerifySteps(BatchSteps):
             )
         logits = classifier_batch(config, x, count, self.rms_final_weight, self.wcls)
         return np.asarray(logits)[:live]
+
+    def warm_verify(self, first: int, final: int) -> None:
+        """Compile (or load) the verification programs a generation decoding positions
+        first .. final may call: each row count of `VERIFY_SIZES` in each attention window,
+        run on token 0 through `warm_layers` at positions it writes again before anything
+        reads them. Nothing where `verify` is `forward` per position."""
+        config = self._prepared("warm_verify")
+        if not self.batch_kernels():
+            return
+        bl = self.block_length
+        starts = {first, *range((first // bl + 1) * bl, final + 1, bl)}
+        for pos in sorted(starts):
+            for size in VERIFY_SIZES:
+                last = pos + size - 1
+                key = ("verify", size, graphs.attention_blocks(config.seq_len, last))
+                if pos % bl + size > bl or last > final or key in self._compiled:
+                    continue
+                self._compiled.add(key)
+                self._verify_part([(0, pos + r) for r in range(size)], self.warm_layers())

@@ -48,6 +48,8 @@ def rates(stats: GenerationStats) -> str:
         f"({stats.prompt_tokens} tokens, {stats.prefill_seconds:.3f} s), "
         f"decode {stats.decode_tok_s:.1f} "
         f"({stats.decode_steps} tokens, {stats.decode_seconds:.3f} s)"
+        + (f", drafts {stats.accepted_tokens} of {stats.drafted_tokens} accepted "
+           f"({100 * stats.acceptance:.0f}%)" if stats.drafted_tokens else "")
     )
 
 
@@ -147,7 +149,8 @@ def open_session(model, run: RunOptions, n_devices: int, speak: bool = True,
         return Session.prepare(
             model, run.backend, decode=run.decode, matvec=run.matvec, devices=n_devices,
             cache_type_k=key, cache_type_v=value, prefill=run.prefill,
-            say=say_flags if speak else None, **options,
+            say=say_flags if speak else None, draft=run.draft, draft_tokens=run.draft_tokens,
+            **options,
         )
     except ShardingError as e:  # e.g. fewer devices than --devices asks for
         raise JllamaError(as_flag(str(e))) from None

@@ -116,6 +116,25 @@ flags.DEFINE_enum(
     "covers every logit), else graph. See README for the speed of each.",
 )
 flags.DEFINE_enum(
+    "draft",
+    "none",
+    ["none", "ngram"],
+    "Speculative decoding of greedy generations (--temperature=0): ngram = draft the tokens "
+    "that followed the latest earlier occurrence of the last few tokens (prompt lookup) and "
+    "check up to --draft_tokens of them in one call; the output is exactly what decoding "
+    "without drafts gives (each checked position's logits have its bits), only faster where "
+    "the reply repeats the prompt (editing, code, quoting). Sampled generations decode "
+    "without drafts.",
+)
+flags.DEFINE_integer(
+    "draft_tokens",
+    15,
+    "The most tokens one draft proposes (1..15; --draft): the length adapts to how often "
+    "drafts are accepted.",
+    lower_bound=1,
+    upper_bound=15,
+)
+flags.DEFINE_enum(
     "matvec",
     "auto",
     ["auto", "xla", "kernel"],

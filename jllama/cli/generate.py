@@ -102,6 +102,8 @@ def main(options: Options) -> int:
             "decode_tok_s": stats.decode_tok_s,
             "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds,
+            "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_tokens,
             "compile_seconds": session.compile_seconds,
             "startup_seconds": stats.startup_seconds,
             "load_seconds": stats.load_seconds,

@@ -67,6 +67,9 @@ class RunOptions:
     model by `jllama.model.cache_types.resolve`), from --cache_type, --cache_type_k, --cache_type_v."""
     cache_flags: tuple[str, str] = ("cache_type", "cache_type")
     """The flag each of the two came from, for the messages."""
+    draft: str = "none"
+    draft_tokens: int = 15
+    """Speculative decoding: the drafter and the longest draft (--draft, --draft_tokens)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +164,7 @@ def from_flags() -> Options:
                            None if f.dtype == "auto" else f.dtype),
         run=RunOptions(f.backend, f.decode, f.matvec, f.prefill, f.devices, f.threads,
                        f.compile_cache, f.coordinator, f.num_processes, f.process_id,
-                       jax_modes, *kv_names, kv_flags),
+                       jax_modes, *kv_names, kv_flags, f.draft, f.draft_tokens),
         sampling=_sampling(),
         text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
                          f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint()),

@@ -67,6 +67,8 @@ class GenerationStats:
         generation, filled in by it (0 otherwise): starting the process (interpreter, imports,
         flags), reading and placing the model, and compiling (or loading from the compile
         cache) the programs, seconds. The CLI's are parts of first_token_seconds.
+      drafted_tokens, accepted_tokens: with speculative decoding
+        (`jllama.generation.speculative`), tokens drafted and drafted tokens accepted, tokens.
     """
 
     prompt_tokens: int = 0
@@ -78,6 +80,13 @@ class GenerationStats:
     startup_seconds: float = 0.0
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """accepted_tokens / drafted_tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -179,8 +188,8 @@ class Generation:
         over several generations, `jllama.engine`); None when the next step calls no forward
         (a prefill, the device loop, the end)."""
         self.speculation = None
-        """The `jllama.generation.speculative.SpeculationStats` of a generation decoded with
-        drafts (set by `Session.generate`), or None."""
+        """The `jllama.generation.speculative.SpeculativeDecoder` of a generation decoded with
+        drafts (set by `Session.generate`; its counts are in `stats`), or None."""
         self.constraint = None
         """The `jllama.constrain.ConstrainedSampler` the tokens are sampled through (set by
         `Session.generate` for a generation with a grammar: its mask time and count), or None."""

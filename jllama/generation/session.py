@@ -281,7 +281,8 @@ class Session(SlotsMixin):
             self.backend.compile_for(len(prompt_ids), start_pos + steps - 1,
                                      loop.kind if isinstance(loop, LoopDecoder) else None,
                                      chunked=prefill is not None, start=start_pos,
-                                     masked=loop is not None and masked)
+                                     masked=loop is not None and masked,
+                                     **({"verify": True} if speculation is not None else {}))
         drawn_by = sampler if sample is None and isinstance(sampler, Sampler) else None
         sample = sample if sample is not None else sampler
         n_tokens = None
@@ -304,7 +305,9 @@ class Session(SlotsMixin):
             context_ids=context_ids, started_at=started_at,
         )
         slot.active.constraint = constraint
-        slot.active.speculation = None if speculation is None else speculation.stats
+        if speculation is not None:
+            speculation.stats = slot.active.stats
+        slot.active.speculation = speculation
         return slot.active
 
     def encode(self, prompt: str | Sequence[int], parse_special: bool = False) -> list[int]:

@@ -28,13 +28,13 @@ plain decoding costs.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jllama.backends.base import Verify
 from jllama.generation.device_loop import runc_settings_only
+from jllama.generation.generate import GenerationStats
 from jllama.sampling import Sampler, argmax
 
 DRAFTERS = ("none", "ngram")
@@ -121,21 +121,6 @@ def verifier(backend) -> Callable[[Sequence[int], int], np.ndarray]:
     return one_at_a_time
 
 
-@dataclasses.dataclass
-class SpeculationStats:
-    """What a generation's speculation did: tokens drafted, drafted tokens accepted, and
-    verification calls (each yields 1 + its accepted drafts tokens)."""
-
-    drafted: int = 0
-    accepted: int = 0
-    calls: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        """accepted / drafted (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
 class SpeculativeDecoder:
     """`decode_loop(token, pos, n) -> (ids, finite)` for a greedy `Generation`: `token` fed at
     `pos` with a draft after it in one `verify` call, the accepted tokens returned.
@@ -171,7 +156,10 @@ class SpeculativeDecoder:
         self._n_logits = n_logits
         self._plain = plain
         self._misses = 0  # calls in a row whose drafter found nothing
-        self.stats = SpeculationStats()
+        self.calls = 0
+        self.stats = GenerationStats()
+        """Where drafted and accepted tokens are counted: the generation's own stats once
+        `Session.generate` hands them over."""
 
     def __call__(self, token: int, pos: int, n: int) -> tuple[list[int], bool]:
         history = self.history
@@ -186,7 +174,7 @@ class SpeculativeDecoder:
         if not draft and self._plain is not None:
             self._misses += 1
             ids, finite = self._plain(token, pos, min(n, 1 << min(self._misses - 1, 4)))
-            self.stats.calls += 1
+            self.calls += 1
             history.extend(ids[:-1])
             return ids, finite
         self._misses = 0
@@ -207,12 +195,11 @@ class SpeculativeDecoder:
         return ids, True
 
     def _adapt(self, drafted: int, accepted: int) -> None:
-        stats = self.stats
-        stats.calls += 1
+        self.calls += 1
         if not drafted:
             return
-        stats.drafted += drafted
-        stats.accepted += accepted
+        self.stats.drafted_tokens += drafted
+        self.stats.accepted_tokens += accepted
         if accepted == drafted:
             self.k = min(2 * self.k, self.max_draft)
         elif accepted == 0:
