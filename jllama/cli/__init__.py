@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -119,9 +120,49 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return FLAGS(argv)
     except absl_flags.Error as e:
-        fail(str(e).removeprefix("ERROR:: "))  # absl's prefix for flagfile errors
+        fail(_flag_error(e))
     except UnicodeDecodeError as e:
         fail(f"a --flagfile is not UTF-8 text ({e.reason} at byte {e.start})")
+    except ValueError as e:  # absl's own: "--noparse_special=1 does not take an argument"
+        found = re.fullmatch(r"(--?no(\w+)=.*) does not take an argument", str(e))
+        fail(f"{found[1]}: a --no flag takes no value (--{found[2]}=false)" if found else str(e))
+
+
+def _flag_error(e: absl_flags.Error) -> str:
+    """absl's parse error as one line naming the flag and what is wrong with its value.
+
+    absl words a value its parser refused as `flag --NAME=VALUE: <the parser's exception>`,
+    which for a boolean is a tuple and for a number Python's `int()`/`float()` message; those
+    are said here by the flag's type. Range and validator messages keep absl's words."""
+    message = str(e).removeprefix("ERROR:: ")  # absl's prefix for flagfile errors
+    if isinstance(e, absl_flags.UnrecognizedFlagError):
+        suggestions = message.partition("Did you mean: ")[2].rstrip(" ?").split(", ")
+        known = [s for s in suggestions if s and s in FLAGS]
+        hint = f" (did you mean {' or '.join('--' + s for s in known)}?)" if known else ""
+        return f"unknown flag --{e.flagname}{hint}"
+    missing = re.fullmatch(r"Missing value for flag (-+)(\w+)", message)
+    if missing:
+        return f"--{missing[2]} needs a value (--{missing[2]}=VALUE)"
+    found = re.match(r"flag --(\w+)=", message)
+    cause = e.__context__
+    if found is None or found[1] not in FLAGS:
+        return message.removeprefix("flag ")
+    name = found[1]
+    if not isinstance(cause, (ValueError, TypeError, OverflowError)):
+        return message.removeprefix("flag ")  # a validator's, e.g. "--threads=9: exceeds ..."
+    value = message[len(found[0]):].removesuffix(f": {cause}")
+    parser = FLAGS[name].parser
+    if isinstance(parser, absl_flags.BooleanParser):
+        return f"--{name}: {value!r} is not a boolean (true/false)"
+    if isinstance(parser, absl_flags.EnumParser):
+        return f"--{name}: {value!r} is not one of {', '.join(parser.enum_values)}"
+    if isinstance(parser, (absl_flags.IntegerParser, absl_flags.FloatParser)):
+        try:
+            parser.convert(value)
+        except (ValueError, TypeError, OverflowError):
+            kind = "an integer" if isinstance(parser, absl_flags.IntegerParser) else "a number"
+            return f"--{name}: {value!r} is not {kind}"
+    return f"--{name}: {cause}"  # e.g. "-1 is not a non-negative integer"
 
 
 def _preset(arg: str) -> str:

@@ -292,3 +292,6 @@ flags.register_validator(
 )
 for _name in ("checkpoint", "tokenizer"):
     flags.register_validator(_name, lambda v: v is None or v != "", message="is empty")
+# The name clients send as `model`: blank would answer to `"model": ""` only.
+flags.register_validator("model_name", lambda v: v is None or v.strip() != "",
+                         message="is empty")
