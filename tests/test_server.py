@@ -416,6 +416,16 @@ BAD = [
      "messages[0].content"),
     ("/v1/chat/completions", CHAT, 400, None),  # stories260K has no chat template
     ("/v1/nothing", GOOD, 404, None),
+    # Python's words must not come through: "Exceeds the limit (4300 digits) for integer string
+    # conversion ... sys.set_int_max_str_digits()", "maximum recursion depth exceeded".
+    ("/v1/completions", b'{"model": "stories260K", "prompt": "a", "max_tokens": ' + b"9" * 5000
+     + b"}", 400, None),
+    ("/v1/completions", b'{"model": "stories260K", "prompt": "a", "response_format": {"type": '
+     b'"json_schema", "json_schema": {"name": "x", "schema": '
+     + b'{"type": "object", "properties": {"a": ' * 900 + b"{}" + b"}}" * 900 + b"}}}", 400, None),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {**GOOD, "tools": []}, 400, "tools"),
 ]
 
 
@@ -431,6 +441,7 @@ def test_malformed_request_gets_a_json_error_and_the_server_goes_on(server, path
         assert response.status_code == status, response.text
         error = response.json()["error"]
         assert error["message"] and "\n" not in error["message"]
+        assert "recursion" not in error["message"] and "sys." not in error["message"]
         assert error["param"] == param
         if param:
             assert param.split("[")[0].split(".")[0] in error["message"]

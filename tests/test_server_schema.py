@@ -90,5 +90,77 @@ def test_unsupported_options_name_the_field():
     assert refusal(tools=[{"type": "function"}]).param == "tools"  # completions: chat only
     parse(n=1, best_of=1, echo=False, suffix="")
     parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                           "tools": [], "response_format": {"type": "text"}}).encode(),
+                           "response_format": {"type": "text"}}).encode(),
                ChatCompletionRequest)
+
+
+def test_tools_empty_list_is_refused_on_both_routes_as_openai_does():
+    # OpenAI's API answers `tools: []` with a 400 ("[] is too short - 'tools'"); so do both
+    # routes here (completions refuses any tools).
+    from jllama.server.tools import plan_chat
+
+    with pytest.raises(APIError) as error:
+        plan_chat([{"role": "user", "content": "hi"}], [], None, None, renders_tools=True)
+    assert (error.value.status, error.value.param) == (400, "tools")
+    assert error.value.message == ("tools: an empty list is too short (give at least one "
+                                   "tool, or leave tools out), as in OpenAI's API")
+    error = refusal(tools=[])
+    assert error.param == "tools"
+    assert error.message == ("tools: tools (function calling) are only supported on "
+                             "/v1/chat/completions (got [])")
+    plan = plan_chat([{"role": "user", "content": "hi"}], None, None, None, renders_tools=True)
+    assert plan.mode == "none"
+
+
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatCompletionRequest])
+def test_stream_options_needs_stream_true(kind):
+    for stream in (False, None):
+        fields = {"stream_options": {"include_usage": True}}
+        if stream is not None:
+            fields["stream"] = stream
+        error = refusal(kind, **fields)
+        assert error.param == "stream_options"
+        assert error.message == ("stream_options: only allowed when stream is true (as in "
+                                 "OpenAI's API), got stream=false")
+    body = {"model": "m", "prompt": "a", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True, "stream_options": {"include_usage": True}}
+    assert parse_body(json.dumps(body).encode(), kind).include_usage
+
+
+def test_content_parts_are_joined_with_a_line_break():
+    # As llama.cpp's and vLLM's servers join a list of text parts.
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Describe"}, {"type": "text", "text": "this."},
+        {"type": "text", "text": ""}]}]}
+    request = parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    assert request.message_dicts()[0]["content"] == "Describe\nthis.\n"
+
+
+def _raw_refusal(text: str) -> APIError:
+    with pytest.raises(APIError) as error:
+        parse_body(text.encode(), CompletionRequest)
+    assert error.value.status == 400 and "\n" not in error.value.message
+    return error.value
+
+
+def test_a_deep_body_gets_our_one_line_message_not_pythons():
+    schema = '{"type": "object", "properties": {"a": ' * 900 + "{}" + "}}" * 900
+    body = ('{"model": "m", "prompt": "a", "response_format": {"type": "json_schema", '
+            '"json_schema": {"name": "x", "schema": ' + schema + "}}}")
+    assert _raw_refusal(body).message == (
+        "the body nests arrays and objects more than 128 levels deep")
+    # Deep enough for the JSON parser, too deep for MAX_DEPTH.
+    body = '{"model": "m", "prompt": "a", "x": ' + "[" * 300 + "]" * 300 + "}"
+    assert _raw_refusal(body).message == (
+        "the body nests arrays and objects more than 128 levels deep")
+    body = '{"model": "m", "prompt": "a", "x": ' + "[" * 125 + "]" * 125 + "}"
+    parse_body(body.encode(), CompletionRequest)  # 126 levels
+
+
+def test_a_huge_integer_gets_our_one_line_message_not_pythons():
+    body = '{"model": "m", "prompt": "a", "max_tokens": ' + "9" * 5000 + "}"
+    assert _raw_refusal(body).message == (
+        "the body holds an integer of 5000 digits; this server reads at most 64")
+    body = '{"model": "m", "prompt": "a", "seed": -' + "1" * 65 + "}"
+    assert "65 digits" in _raw_refusal(body).message
+    assert parse(seed=2**64 - 1).seed == 2**64 - 1

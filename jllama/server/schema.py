@@ -12,6 +12,11 @@ limits narrow three ranges (temperature at most 2, presence/frequency penalties 
 logit_bias in [-100, 100]); top_logprobs [0, 20] and at most 4 stop strings are OpenAI's too. The
 extra samplers (top_k, min_p, repeat_penalty, penalty_last_n, samplers) are llama.cpp server's
 names, and so is ignore_eos (go on past the end-of-generation ids, for fixed-length benchmarks).
+
+`stream_options` is refused without `stream: true`, as OpenAI's API refuses it. A body nested more than MAX_DEPTH levels, or holding
+an integer of more than MAX_INT_DIGITS digits, is refused before it is validated, in this
+module's words (Python's would be "maximum recursion depth exceeded" or
+"sys.set_int_max_str_digits").
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ from jllama.sampling import SamplerConfig, SamplerSettingError, check_setting
 from jllama.server.errors import APIError
 
 _U64 = 2**64
+
+MAX_DEPTH = 128
+"""The most levels of arrays and objects a request body may nest (a JSON schema of 10 nested
+objects is ~25 levels with the request around it)."""
+
+MAX_INT_DIGITS = 64
+"""The most digits an integer of a request body may have (a uint64 seed has 20; 2**128, 39)."""
 
 _OPENAI_RANGES = {"temperature": (0.0, 2.0), "presence_penalty": (-2.0, 2.0),
                   "frequency_penalty": (-2.0, 2.0), "logit_bias": (-100.0, 100.0)}
@@ -119,6 +131,17 @@ class _Sampling(_Strict):
         _openai_range(info.field_name, value)
         return checked
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value: StreamOptions | None, info: ValidationInfo):
+        stream = info.data.get("stream", False)
+        if value is not None and stream is not True:
+            # OpenAI's API: "The 'stream_options' parameter is only allowed when 'stream' is
+            # enabled." (400, param stream_options).
+            raise ValueError(f"only allowed when stream is true (as in OpenAI's API), got "
+                             f"stream={str(stream).lower()}")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: Any) -> tuple[str, ...]:
@@ -202,7 +225,7 @@ class CompletionRequest(_Sampling):
     # Not fields of OpenAI's completions API: tools are refused rather than silently ignored;
     # response_format is applied as on /v1/chat/completions (as llama.cpp's and vLLM's servers
     # do), checked by `jllama.server.structured`.
-    tools: Annotated[Any, _refuse(lambda tools: not tools,
+    tools: Annotated[Any, _refuse(lambda tools: False,
                                   "tools (function calling) are only supported on "
                                   "/v1/chat/completions")] = None
     response_format: Any = None
@@ -254,7 +277,8 @@ class ChatMessage(_Strict):
                         "content is supported)"
                     )
                 parts.append(part["text"])
-            return "".join(parts)
+            # Parts are joined by a line break, as llama.cpp's and vLLM's servers join them.
+            return "\n".join(parts)
         raise ValueError("must be a string or a list of text parts")
 
     @model_validator(mode="after")
@@ -328,6 +352,12 @@ def parse_body(body: bytes, kind: type[_Sampling]) -> _Sampling:
     def no_constants(name: str) -> None:
         raise ValueError(f"{name} is not a JSON number")
 
+    def integer(digits: str) -> int:
+        if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+            raise _BodyLimit(f"the body holds an integer of {len(digits.lstrip('-'))} digits; "
+                             f"this server reads at most {MAX_INT_DIGITS}")
+        return int(digits)
+
     try:
         # UTF-8 only: json.loads of bytes would take UTF-16 and UTF-32 as well, guessing from
         # the zero bytes. A UTF-8 byte order mark is allowed (RFC 8259 lets a reader ignore it).
@@ -335,15 +365,21 @@ def parse_body(body: bytes, kind: type[_Sampling]) -> _Sampling:
     except UnicodeDecodeError as e:
         raise APIError(400, f"the body is not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
-        data = json.loads(text, parse_constant=no_constants)
+        data = json.loads(text, parse_constant=no_constants, parse_int=integer)
     except json.JSONDecodeError as e:
         raise APIError(
             400, f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
         ) from None
-    except (ValueError, RecursionError) as e:
+    except _BodyLimit as e:
+        raise APIError(400, str(e)) from None
+    except RecursionError:  # nested deeper than the parser's stack: MAX_DEPTH's message
+        raise APIError(400, _too_deep()) from None
+    except ValueError as e:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {_json_type(data)}")
+    if _depth(data) > MAX_DEPTH:
+        raise APIError(400, _too_deep())
     where = _lone_surrogate(data, "")
     if where is not None:
         # JSON's \uD83D escapes can encode half of a UTF-16 pair, which is no Unicode text:
@@ -363,6 +399,30 @@ def parse_body(body: bytes, kind: type[_Sampling]) -> _Sampling:
         if "got " not in msg:  # the validators' own messages already say what they got
             msg = f"{msg} (got {_short(err.get('input'))})"
         raise APIError(400, f"{param}: {msg}", param=param) from None
+
+
+class _BodyLimit(ValueError):
+    """A body over one of this module's limits (MAX_INT_DIGITS), found while parsing."""
+
+
+def _too_deep() -> str:
+    return f"the body nests arrays and objects more than {MAX_DEPTH} levels deep"
+
+
+def _depth(value: Any) -> int:
+    """How many levels of arrays and objects `value` nests (a scalar: 0), without recursion."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH:
+            return deepest
+        level.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _json_type(value: Any) -> str:

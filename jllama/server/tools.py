@@ -52,11 +52,15 @@ def parse_tools(tools: Any) -> list[dict]:
       The tools as given, each with `parameters` filled in (absent: an empty object schema).
 
     Raises:
-      APIError (400): not a non-empty list, a tool that is not a function, a bad or repeated
-        name, parameters that are not a schema llguidance takes (`param` e.g.
-        "tools[0].function.parameters").
+      APIError (400): not a non-empty list (an empty one is refused as OpenAI's API refuses
+        it, "[] is too short - 'tools'": leave `tools` out for none), a tool that is not a
+        function, a bad or repeated name, parameters that are not a schema llguidance takes
+        (`param` e.g. "tools[0].function.parameters").
     """
-    if not isinstance(tools, list) or not tools:
+    if isinstance(tools, list) and not tools:
+        raise APIError(400, "tools: an empty list is too short (give at least one tool, or "
+                       "leave tools out), as in OpenAI's API", param="tools")
+    if not isinstance(tools, list):
         raise APIError(400, "tools: must be a non-empty list of tools", param="tools")
     out, names = [], set()
     for i, tool in enumerate(tools):
@@ -267,7 +271,7 @@ def plan_chat(messages: list[dict], tools: Any, tool_choice: Any, response_forma
         (`param` names it), or response_format together with tool_choice "auto" (a JSON
         reply and a call both start with "{", so the reply could not be told apart).
     """
-    checked = parse_tools(tools) if tools not in (None, []) else None  # [] as llama.cpp: none
+    checked = parse_tools(tools) if tools is not None else None
     mode, name = parse_tool_choice(tool_choice, checked)
     if checked is None:
         mode = "none"  # "auto" (or "none") with no tools: nothing to call
