@@ -4,8 +4,13 @@ an empty --model_name refused."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from conftest import STORIES260K
 from test_cli import run
+
+import jllama
 
 
 @pytest.mark.parametrize("args, line", [
@@ -35,3 +40,57 @@ def test_an_empty_model_name_is_refused():
         done = run("serve", f"--model_name={value}", "--port=0")
         assert done.returncode == 1, done.stderr
         assert done.stderr == f"jllama: error: --model_name={value}: is empty\n"
+
+
+def test_version_prints_the_package_version():
+    for flag in ("--version", "-version"):
+        done = run(flag)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "jllama 0.1.0\n" == f"jllama {jllama.__version__}\n"
+        assert done.stderr == ""
+
+
+def test_llama_cpp_short_flags_are_the_long_ones():
+    common = ["--output_format=json", "--backend=numpy"]
+    short = run("-m", str(STORIES260K), "-p", "Once upon a time", "-n", "12", "--temp", "0",
+                "-c", "64", "-t", "1", *common)
+    long = run(f"--checkpoint={STORIES260K}", "--prompt=Once upon a time", "--steps=12",
+               "--temperature=0", "--seq_len=64", "--threads=1", *common)
+    assert short.returncode == 0 == long.returncode, (short.stderr, long.stderr)
+    a, b = json.loads(short.stdout), json.loads(long.stdout)
+    # By hand: greedy, and --steps=12 counts the prompt's 5 tokens (BOS included).
+    assert (a["temperature"], a["steps"], a["seq_len"], len(a["prompt_ids"])) == (0, 12, 64, 5)
+    for key in ("prompt_ids", "generated_ids", "text", "temperature", "steps", "seq_len"):
+        assert a[key] == b[key], key
+    # The text stream too, with the value glued on as absl also takes it (-n=12).
+    short_text = run("-m", str(STORIES260K), "-p", "Lily", "-n=12", "--temp=0")
+    long_text = run(f"--checkpoint={STORIES260K}", "--prompt=Lily", "--steps=12",
+                    "--temperature=0")
+    assert short_text.returncode == 0 and short_text.stdout == long_text.stdout
+    assert short_text.stdout.startswith("Lily")
+
+
+def test_help_shows_the_short_names():
+    done = run("--help")
+    assert done.returncode == 0
+    for shown in ("-m,--checkpoint", "-p,--prompt", "-n,--steps", "-c,--seq_len",
+                  "-t,--threads", "--temp:", "--version"):
+        assert shown in done.stdout, shown
+
+
+def test_c_is_the_chunk_size_of_perplexity_as_llama_perplexity_s(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily. She loved to play "
+                    "outside in the park with her mom and her dog, every single day.\n")
+    args = ["perplexity", f"--file={text}", "--output_format=json", "--backend=numpy"]
+    short, long = run(*args, "-c", "16"), run(*args, "--ctx=16")
+    assert short.returncode == 0 == long.returncode, (short.stderr, long.stderr)
+    a, b = json.loads(short.stdout), json.loads(long.stdout)
+    assert a["ctx"] == 16 and a["chunks"] >= 1 and a["chunk_ppl"] == b["chunk_ppl"]
+    assert "is not used" not in short.stderr
+    # Given with --ctx, --ctx wins and -c is named as unused (as before).
+    both = run(*args, "--ctx=16", "-c", "32")
+    assert json.loads(both.stdout)["ctx"] == 16 and "--seq_len=32 is not used" in both.stderr
+    # A -c too large for the text names the flag it came from.
+    refused = run(*args, "-c", "64")
+    assert refused.returncode == 1 and "--seq_len=64" in refused.stderr, refused.stderr

@@ -83,6 +83,10 @@ _USAGE = """usage: jllama [--flag=value ...]
        jllama batch --file=PROMPTS [--parallel=4] [--steps=N]   one JSON line per prompt
        jllama perplexity --file=TEXT [--ctx=512] [--chunks=N] [--checkpoint=...]
                                               PPL of a text, as llama.cpp's llama-perplexity
+       jllama --version
+
+llama.cpp's short flags work too: -m (--checkpoint), -p (--prompt), -n (--steps), -c
+(--seq_len), -t (--threads), --temp (--temperature).
 
 Generates text with a Llama model from a llama2.c checkpoint, a GGUF file or a Hugging Face
 folder.
@@ -104,6 +108,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
         )
     if "--helpfull" in argv[1:]:
         _print_and_exit(FLAGS.get_help())
+    if any(arg in ("--version", "-version") for arg in argv[1:]):
+        from jllama import __version__
+
+        _print_and_exit(f"jllama {__version__}")
     argv = [argv[0]] + [_preset(arg) for arg in argv[1:]]
     for i in range(1, len(argv) - 1):  # `--flagfile PATH`, as absl also takes it
         if argv[i] in ("--flagfile", "-flagfile"):

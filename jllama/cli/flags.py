@@ -19,6 +19,7 @@ flags.DEFINE_string(
     "Model: a llama2.c checkpoint (.bin, versions 0, 1, 2), a GGUF file (.gguf), a Hugging "
     "Face folder (config.json + safetensors), or the name of a fetched model (smollm2). "
     "Default: the embedded stories260K.",
+    short_name="m",
 )
 flags.DEFINE_string(
     "tokenizer",
@@ -69,10 +70,13 @@ flags.DEFINE_integer(
     "steps",
     256,
     "generate: positions to run, prompt included (tokens); < 1 or > seq_len means seq_len. "
-    "chat: the most tokens of one reply; < 1 = until the context is full.",
+    "chat: the most tokens of one reply; < 1 = until the context is full. (llama.cpp's -n "
+    "counts generated tokens only.)",
+    short_name="n",
 )
 flags.DEFINE_string(
-    "prompt", "", "generate: the text to continue. chat: the first user message (then stdin)."
+    "prompt", "", "generate: the text to continue. chat: the first user message (then stdin).",
+    short_name="p",
 )
 flags.DEFINE_enum(
     "mode",
@@ -88,8 +92,10 @@ flags.DEFINE_integer(
     "seq_len",
     0,
     "Context to allocate the KV cache for (tokens), at most the model's; 0 = the model's, "
-    "capped at 4096 (as llama.cpp) for a model made for more.",
+    "capped at 4096 (as llama.cpp) for a model made for more. perplexity: --ctx, when that "
+    "is not given (llama-perplexity's -c).",
     lower_bound=0,
+    short_name="c",
 )
 flags.DEFINE_bool(
     "parse_special",
@@ -222,6 +228,7 @@ flags.DEFINE_integer(
     0,
     "CPU threads for XLA (the process is pinned to that many cores); 0 = all.",
     lower_bound=0,
+    short_name="t",
 )
 flags.DEFINE_integer(
     "devices",
@@ -284,6 +291,9 @@ flags.DEFINE_integer(
     "chunks", -1, "perplexity: the most chunks to evaluate (llama-perplexity's --chunks); "
     "-1 = all.",
 )
+
+# llama.cpp's short flags (-m -p -n -c -t, set as short_name= above) and --temp.
+flags.DEFINE_alias("temp", "temperature")
 
 flags.register_validator(
     "threads",

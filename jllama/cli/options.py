@@ -109,10 +109,14 @@ class ServeOptions:
 
 @dataclasses.dataclass(frozen=True)
 class PerplexityOptions:
+    """--file, --ctx, --chunks, and --seq_len (-c, llama-perplexity's context flag: the
+    chunk size where --ctx is not given; 0 when absent)."""
+
     file: str | None
     ctx: int
     chunks: int
     seq_len_flag: int
+    ctx_given: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +173,7 @@ def from_flags() -> Options:
         text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
                          f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint()),
         serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting, f.parallel),
-        perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len),
+        perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len, f["ctx"].present),
         tools=ToolOptions(f.pieces, f.force, f.output, int(f.llama2c_version), f.group_size,
                           f["group_size"].present),
         seq_len_asked=f.seq_len,

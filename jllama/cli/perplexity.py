@@ -23,16 +23,20 @@ def main(options: Options) -> int:
     from jllama.generation import perplexity as ppl
 
     def flagged(e: JllamaError) -> JllamaError:  # the library's ctx and chunks= are flags here
-        return type(e)(re.sub(r"(?<![-\w])(ctx\b|chunks=)", r"--\1", str(e)))
+        text = re.sub(r"(?<![-\w])chunks=", "--chunks=", str(e))
+        return type(e)(re.sub(r"(?<![-\w])ctx\b", f"--{ctx_flag}", text))
 
     run, p, m = options.run, options.perplexity, options.model
+    ctx_flag = "ctx"
     if run.threads:
         runtime.limit_cpu_threads(run.threads)
     one_process("perplexity", run)
     if not p.file:
         raise JllamaError("perplexity needs --file=TEXT, a UTF-8 text file")
     ctx, file_flag = p.ctx, f"--file={p.file}"
-    if p.seq_len_flag and p.seq_len_flag != ctx:
+    if p.seq_len_flag and not p.ctx_given:  # -c as llama-perplexity's
+        ctx, ctx_flag = p.seq_len_flag, "seq_len"
+    elif p.seq_len_flag and p.seq_len_flag != ctx:
         say(f"note: perplexity's context is --ctx={ctx}; --seq_len={p.seq_len_flag} is not used")
     try:
         ppl.check_chunks(p.chunks)
