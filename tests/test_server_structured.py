@@ -14,6 +14,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -271,6 +272,30 @@ def test_a_streamed_call_equals_the_whole_one(tiny):
     assert (name, arguments, finish, content) == (call.function.name, call.function.arguments,
                                                   "tool_calls", "")
     assert len(ids) == 1
+
+
+def _finished(client) -> dict[str, float]:
+    """/metrics' jllama_requests_finished_total by finish_reason."""
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    text = httpx.get(root + "/metrics", timeout=60).text
+    prefix = 'jllama_requests_finished_total{finish_reason="'
+    return {line[len(prefix):].split('"')[0]: float(line.split()[-1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_metrics_count_a_call_as_tool_calls(tiny):
+    """A reply that is a call ends "tool_calls" (the worker's generation ended "stop"): so does
+    its count in /metrics, whole and streamed."""
+    before = _finished(tiny)
+    kwargs = dict(model="m", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                  tool_choice="required", max_tokens=80, temperature=0)
+    assert tiny.chat.completions.create(**kwargs).choices[0].finish_reason == "tool_calls"
+    finishes = [c.choices[0].finish_reason for c in
+                tiny.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert finishes[-1] == "tool_calls"
+    after = _finished(tiny)
+    assert after.get("tool_calls", 0) == before.get("tool_calls", 0) + 2
+    assert after.get("stop", 0) == before.get("stop", 0)
 
 
 def test_a_conversation_with_a_tool_result_goes_on(tiny):

@@ -268,7 +268,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         job = Job(ids, sampler, max_tokens, stop=body.stop,
                   logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                   ignore_eos=body.ignore_eos, grammar=plan.grammar,
-                  grammar_param="tools" if plan.offers_tools else "response_format")
+                  grammar_param="tools" if plan.offers_tools else "response_format",
+                  finish_by_reply=plan.offers_tools)
         submit(job)
         ident, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         reply = (ToolReply(expect_call=plan.mode in ("required", "named"))
@@ -298,18 +299,22 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                     else:
                         for delta in reply.final_deltas():
                             yield chunk(delta, None, None)
-                        yield chunk({}, None, reply.finish_reason(event.finish_reason))
+                        finish = reply.finish_reason(event.finish_reason)
+                        job.count(finish)  # /metrics: "tool_calls" for a call
+                        yield chunk({}, None, finish)
                         if body.include_usage:
                             yield {**chunk({}, None, None), "choices": [], "usage": usage(event)}
 
             return stream(events(), job)
         texts, logprobs, done = await collect(request, job)
+        message = reply.message("".join(texts))
+        finish = reply.finish_reason(done.finish_reason)
+        job.count(finish)
         return {
             "id": ident, "object": "chat.completion", "created": now, "model": model_id,
             "choices": [{
-                "index": 0, "message": reply.message("".join(texts)),
-                "logprobs": chat_logprobs(logprobs, body),
-                "finish_reason": reply.finish_reason(done.finish_reason),
+                "index": 0, "message": message, "logprobs": chat_logprobs(logprobs, body),
+                "finish_reason": finish,
             }],
             "usage": usage(done),
         }

@@ -70,6 +70,9 @@ class Job:
         a 400 when its matcher fails mid-generation).
       events: where the worker puts `Text`, `Done` or `Failed` (an asyncio.Queue of the loop
         that submitted the job).
+      finish_by_reply: the finish_reason /metrics counts is the reply's, given to `count` by
+        whoever reads the events (a chat reply that is a tool call ends "tool_calls" where the
+        worker says "stop"); False: the worker's, counted as the job ends.
     """
 
     prompt_ids: list[int]
@@ -85,20 +88,39 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     metrics: Metrics | None = None
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+    finish_by_reply: bool = False
+    _done: Done | None = None
+    _counted: bool = False
+    _count_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def cancel(self) -> None:
         """Stop (or never start) this job; its events are no longer read. A no-op once the
         job has emitted `Done` or `Failed`: a stream that closes after its last event does
-        not count as cancelled (/health)."""
+        not count as cancelled (/health); a `Done` not yet counted in /metrics (its reader
+        went away before it) is counted with the worker's finish_reason."""
         if not self.finished.is_set():
             self.cancelled.set()
+        else:
+            self.count()
+
+    def count(self, finish_reason: str | None = None) -> None:
+        """Count the job's `Done` in /metrics, once (later calls, and calls before it ended,
+        do nothing); finish_reason: the reply's (None: the worker's)."""
+        with self._count_lock:
+            done = self._done
+            if done is None or self._counted or self.metrics is None:
+                return
+            self._counted = True
+        self.metrics.observe(finish_reason or done.finish_reason, done.prompt_tokens,
+                             done.completion_tokens, done.cached_tokens)
 
     def _emit(self, event) -> None:
+        if isinstance(event, Done):
+            self._done = event
+            if not self.finish_by_reply:
+                self.count()
         if isinstance(event, (Done, Failed)):
             self.finished.set()  # before the reader can see the event and cancel
-        if isinstance(event, Done) and self.metrics is not None:
-            self.metrics.observe(event.finish_reason, event.prompt_tokens,
-                                 event.completion_tokens, event.cached_tokens)
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: the server is shutting down
