@@ -133,4 +133,4 @@ def test_batch_prints_a_json_line_per_prompt_equal_to_each_alone(tmp_path):
     bad.write_text('{"prompt": "x", "max_tokens": 0}\n')
     refused = run("batch", f"--file={bad}")
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1
-    assert "line 1: max_tokens" in refused.stderr
+    assert "line 1 (index 0): max_tokens" in refused.stderr

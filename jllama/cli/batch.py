@@ -7,12 +7,15 @@ Each line of the file is a prompt: plain text, or a JSON object with "prompt" an
 own constraint, as vLLM's per-request guided JSON). The sampler flags and the constraint
 (--json_schema, --json, --regex, --grammar) apply to every prompt where its line does not say;
 with --seed, prompt i (from 0) samples with --seed + i (so a line gives the same text in any
-batch), else with a seed from the clock + i; each output line says its seed.
+batch), else with a seed from the clock + i; each output line says its seed and its "index"
+(i). Error lines name a prompt by that index and its line in the file (from 1); a key a JSON
+line does not take is refused (a typo such as "temprature" would otherwise be ignored).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
 
@@ -29,14 +32,22 @@ from jllama.platform.memory import check_memory
 from jllama.sampling import SamplerSettingError, check_setting, seed_from_clock
 
 
+KEYS = ("prompt", "max_tokens", "stop", "seed", "temperature", "json_schema")
+"""What a JSON line may hold."""
+
+
 def read_prompts(path: str) -> list[dict]:
-    """The prompts of `path`: dicts with "prompt" (str) and optional "max_tokens", "stop",
-    "seed", "temperature" (checked as --temperature) and "grammar" (a
-    `jllama.constrain.Grammar` from the line's "json_schema").
+    """The prompts of `path`: dicts with "prompt" (str), "line" (the file's line, from 1) and
+    optional "max_tokens", "stop", "seed", "temperature" (checked as --temperature) and
+    "grammar" (a `jllama.constrain.Grammar` from the line's "json_schema").
+
+    Prompts are counted from 0, as the output's "index"; an error names the prompt's line and
+    its index (`where`).
 
     Raises:
       JllamaError: a file that cannot be read or is not UTF-8, a JSON object without a string
-        "prompt", fields of the wrong type, or no prompt at all (naming the line).
+        "prompt", a key not in `KEYS`, fields of the wrong type, or no prompt at all (naming
+        the line).
     """
     from pathlib import Path
 
@@ -52,40 +63,53 @@ def read_prompts(path: str) -> list[dict]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        at = f"{what}: {where(number, len(prompts))}"
         item = {"prompt": line}
         if line.lstrip().startswith("{"):
             try:
                 item = parse_json(line)
             except ValueError as e:
-                raise JllamaError(f"{what}: line {number} is not valid JSON ({e})") from None
+                raise JllamaError(f"{at}: not valid JSON ({e})") from None
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-                raise JllamaError(f"{what}: line {number}: a JSON line needs a \"prompt\" string")
+                raise JllamaError(f"{at}: a JSON line needs a \"prompt\" string")
+            for key in item:
+                if key not in KEYS:
+                    close = difflib.get_close_matches(key, KEYS, n=1)
+                    hint = (f"did you mean {close[0]!r}?" if close
+                            else f"a line takes {', '.join(KEYS)}")
+                    raise JllamaError(f"{at}: unknown key {key!r} ({hint})")
             for key, kind in (("max_tokens", int), ("seed", int)):
                 if key in item and (isinstance(item[key], bool) or not isinstance(item[key], kind)
                                     or item[key] < 1):
-                    raise JllamaError(f"{what}: line {number}: {key} must be an integer >= 1")
+                    raise JllamaError(f"{at}: {key} must be an integer >= 1")
             stop = item.get("stop", [])
             stop = [stop] if isinstance(stop, str) else stop
             if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-                raise JllamaError(f"{what}: line {number}: stop must be a string or a list of "
-                                  "non-empty strings")
+                raise JllamaError(f"{at}: stop must be a string or a list of non-empty strings")
             item["stop"] = stop
             if "temperature" in item:
                 try:
                     item["temperature"] = check_setting("temperature", item["temperature"])
                 except SamplerSettingError as e:
-                    raise JllamaError(f"{what}: line {number}: temperature {e.reason}") from None
+                    raise JllamaError(f"{at}: temperature {e.reason}") from None
             if "json_schema" in item:
                 from jllama.constrain import Grammar, GrammarError
 
                 try:
                     item["grammar"] = Grammar.json_schema(item.pop("json_schema"))
                 except GrammarError as e:
-                    raise JllamaError(f"{what}: line {number}: json_schema: {e}") from None
+                    raise JllamaError(f"{at}: json_schema: {e}") from None
+        item["line"] = number
         prompts.append(item)
     if not prompts:
         raise JllamaError(f"{what}: no prompts (one per line)")
     return prompts
+
+
+def where(line: int, index: int) -> str:
+    """A prompt as the errors name it: the file's line (from 1, as editors count) and the
+    prompt's index (from 0, as the output's "index" and the seed offset count)."""
+    return f"line {line} (index {index})"
 
 
 def main(options: Options) -> int:
@@ -104,8 +128,9 @@ def main(options: Options) -> int:
     for i, item in enumerate(prompts):
         ids = tokenizer.encode(item["prompt"], parse_special=options.text.parse_special)
         if not ids or len(ids) > seq_len:
-            raise JllamaError(f"--file={options.perplexity.file}: prompt {i + 1} is "
-                              f"{len(ids)} tokens; it must hold 1 .. {seq_len} (seq_len)")
+            raise JllamaError(f"--file={options.perplexity.file}: {where(item['line'], i)}: "
+                              f"the prompt is {len(ids)} tokens; it must hold 1 .. {seq_len} "
+                              "(seq_len)")
         seed = item.get("seed", (first_seed + i - 1) % (2**64 - 1) + 1)
         steps = options.text.steps
         sampler = dataclasses.replace(base, seed=seed, temperature=item.get(
@@ -125,7 +150,8 @@ def main(options: Options) -> int:
     streams = complete_all(session, requests, n_slots=options.serve.parallel, progress=True)
     for i, (item, stream) in enumerate(zip(prompts, streams)):
         if stream.error is not None:
-            raise JllamaError(f"prompt {i + 1}: {stream.error}")
+            raise JllamaError(f"--file={options.perplexity.file}: {where(item['line'], i)}: "
+                              f"{stream.error}")
         print(json.dumps({
             "index": i, "prompt": item["prompt"], "text": stream.text,
             "finish_reason": stream.finish_reason,
