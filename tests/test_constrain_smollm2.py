@@ -120,8 +120,8 @@ def test_cli_batch_twenty_schemas_greedy_and_three_seeds(smollm2_gguf, tmp_path)
 
 def test_cli_batch_line_errors_name_the_line(smollm2_gguf, tmp_path):
     for line, message in [
-        ({"prompt": "x", "json_schema": {"type": "nonsense"}}, "line 1: json_schema: "),
-        ({"prompt": "x", "temperature": -1}, "line 1: temperature must be"),
+        ({"prompt": "x", "json_schema": {"type": "nonsense"}}, "line 1 (index 0): json_schema: "),
+        ({"prompt": "x", "temperature": -1}, "line 1 (index 0): temperature must be"),
     ]:
         prompts = _write(tmp_path, "bad.jsonl", json.dumps(line) + "\n")
         done = run("batch", f"--checkpoint={smollm2_gguf}", f"--file={prompts}", "--steps=4")
