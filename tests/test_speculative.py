@@ -89,9 +89,12 @@ def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
 
 
 def test_ngram_drafter_reindexes_another_sequence():
-    d = NgramDrafter()
+    d = NgramDrafter(max_n=2, min_n=2)
     assert d.draft([1, 2, 3, 1, 2], 2) == [3, 1]
     assert d.draft([7, 8, 9, 7, 8], 2) == [9, 7]  # not [3, 1] from the first sequence
+    d = NgramDrafter()  # trigrams and longer
+    assert d.draft([1, 2, 3, 1, 2], 2) == []
+    assert d.draft([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]
 
 
 def test_decoder_accepts_up_to_the_first_mismatch_and_keeps_the_targets_token():

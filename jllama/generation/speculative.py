@@ -21,9 +21,10 @@ Drafters:
 `SpeculativeDecoder` is a `decode_loop(token, pos, n) -> (ids, finite)` for
 `jllama.generation.generate.Generation`: each call returns the accepted tokens of one
 verification (1 .. k + 1 of them). The draft length adapts: it grows by one after a draft
-accepted whole and halves after one rejected at its first token; where the drafter finds
-nothing the generation's plain decode runs (`plain`), so text that does not repeat costs what
-plain decoding costs.
+accepted whole and halves after one rejected at its first token (and after a one-token draft
+is rejected, drafting rests for `REST_CALLS` calls); where the drafter finds nothing the
+generation's plain decode runs (`plain`), so text that does not repeat costs what plain
+decoding costs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ from jllama.sampling import Sampler, argmax
 DRAFTERS = ("none", "ngram")
 """What `--draft` takes."""
 
+REST_CALLS = 4
+"""Calls decoded without drafts after a one-token draft is rejected (text that does not
+repeat: each rejected draft costs a verification of two rows for one token)."""
+
 MAX_DRAFT_TOKENS = 15
 """The most tokens one draft proposes (the verification program's largest row count, 16,
 less the token fed)."""
@@ -55,7 +60,7 @@ class NgramDrafter:
     sequence, so a draft costs a few dictionary lookups however long the sequence is.
     """
 
-    def __init__(self, max_n: int = 4, min_n: int = 2):
+    def __init__(self, max_n: int = 5, min_n: int = 3):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
@@ -136,9 +141,9 @@ class SpeculativeDecoder:
       n_logits: the logits that are tokens (a padded vocabulary's tail is never chosen), or
         None for all of them.
       plain: the generation's own `decode_loop` without drafts (the device loop, greedy), for
-        stretches where the drafter finds nothing: 1, 2, 4, .. 16 tokens a call while it
-        keeps finding nothing (its tokens are the same argmaxes), so text that does not
-        repeat decodes at the plain loop's speed. None: one `verify` of one token.
+        stretches where nothing is drafted: 2, 4, 8, 16 tokens a call while no draft is
+        accepted (its tokens are the same argmaxes), so text that does not repeat decodes at
+        the plain loop's speed. None: one `verify` of one token.
     """
 
     def __init__(self, verify: Callable[[Sequence[int], int], np.ndarray], drafter,
@@ -155,7 +160,8 @@ class SpeculativeDecoder:
         self.k = min(4, max_draft)
         self._n_logits = n_logits
         self._plain = plain
-        self._misses = 0  # calls in a row whose drafter found nothing
+        self._misses = 0  # plain calls since a draft was last accepted
+        self._rest = 0  # calls left before drafting again, after drafts that failed
         self.calls = 0
         self.stats = GenerationStats()
         """Where drafted and accepted tokens are counted: the generation's own stats once
@@ -166,18 +172,21 @@ class SpeculativeDecoder:
         del history[pos:]  # positions 0 .. pos - 1 hold what was fed; `token` goes at pos
         history.append(int(token))
         room = min(n, self._seq_len - pos) - 1  # draft tokens the call may feed after token
-        draft = self._drafter.draft(history, min(self.k, room)) if room > 0 else []
+        draft = []
+        if room > 0 and self._rest == 0:
+            draft = self._drafter.draft(history, min(self.k, room))
+        self._rest = max(0, self._rest - 1)
         for i, drafted in enumerate(draft):
             if drafted in self._stop_ids:  # a run ends at a stop token: feed none
                 del draft[i:]
                 break
         if not draft and self._plain is not None:
+            # 2, 4, 8, 16, 16, .. tokens a call while nothing is drafted (and accepted).
             self._misses += 1
-            ids, finite = self._plain(token, pos, min(n, 1 << min(self._misses - 1, 4)))
+            ids, finite = self._plain(token, pos, min(n, 1 << min(self._misses, 4)))
             self.calls += 1
             history.extend(ids[:-1])
             return ids, finite
-        self._misses = 0
         rows = np.asarray(self._verify([int(token), *draft], pos))
         ids: list[int] = []
         for r in range(len(draft) + 1):
@@ -200,7 +209,11 @@ class SpeculativeDecoder:
             return
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
+        if accepted:
+            self._misses = 0
         if accepted == drafted:
             self.k = min(2 * self.k, self.max_draft)
         elif accepted == 0:
+            if self.k == 1:
+                self._rest = REST_CALLS  # one-token drafts fail too: rest from drafting
             self.k = max(1, self.k // 2)
