@@ -319,6 +319,25 @@ def test_check_chunks(chunks):
         ppl.check_chunks(chunks)
 
 
+def test_a_line_per_chunk_where_stderr_is_not_a_terminal():
+    """Without a terminal (a log, a pipe: here a captured stderr) the progress bar stays off,
+    so each chunk says its running PPL in a line of its own, as llama-perplexity prints each
+    chunk's value as it goes; the values are those of the final [1]x,[2]y,[3]z, line."""
+    import re
+
+    done = run("perplexity", f"--file={TEXT_FILE}", "--ctx=64", "--chunks=3", "--backend=numpy")
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    chunks = [re.fullmatch(r"jllama: chunk (\d+)/3: PPL so far ([0-9.]+) \([0-9.]+ s\)", line)
+              for line in lines]
+    found = [m for m in chunks if m]
+    assert [int(m[1]) for m in found] == [1, 2, 3], done.stderr
+    summary = lines.index(next(line for line in lines if line.startswith("[1]")))
+    assert all(lines.index(m[0]) < summary for m in found)  # as they come, before the summary
+    values = re.findall(r"\[\d\]([0-9.]+),", lines[summary])
+    assert [m[2] for m in found] == values
+
+
 # ------------------------------------------------------------------------- bad input, CLI
 
 @pytest.mark.parametrize("make, args, message", [

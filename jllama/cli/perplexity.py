@@ -58,6 +58,7 @@ def main(options: Options) -> int:
         session.logits_fn(ctx), tokens, ctx,
         bos_id=tokenizer.bos_id if tokenizer.add_bos else None, chunks=p.chunks,
         n_vocab=min(tokenizer.vocab_size, config.vocab_size), progress=True,
+        on_chunk=None if sys.stderr.isatty() else _chunk_line,
     )
     est = result.estimate
     if options.text.output_format == "json":
@@ -79,3 +80,9 @@ def main(options: Options) -> int:
           f"{result.seconds:.2f} s ({result.tokens_per_second:.1f} tok/s)", file=sys.stderr)
     print(ppl.final_line(est), flush=True)
     return 0
+
+
+def _chunk_line(done: int, total: int, ppl_so_far: float, seconds: float) -> None:
+    """A line a chunk where stderr is not a terminal (a log, a pipe), which the terminal's
+    progress bar leaves empty: llama-perplexity's running value, with the time so far."""
+    say(f"chunk {done}/{total}: PPL so far {ppl_so_far:.4f} ({seconds:.1f} s)")

@@ -230,6 +230,7 @@ def perplexity(
     chunks: int = -1,
     n_vocab: int | None = None,
     progress: bool = False,
+    on_chunk: Callable[[int, int, float, float], None] | None = None,
 ) -> PerplexityResult:
     """The perplexity of `tokens` (the whole text, tokenized) in chunks of ctx, as llama.cpp.
 
@@ -243,6 +244,9 @@ def perplexity(
       n_vocab: the softmax runs over the first n_vocab logits (the tokenizer's tokens, when
         the model has padding rows beyond them); None = all.
       progress: a tqdm bar on stderr (tokens evaluated, the PPL so far), when it is a terminal.
+      on_chunk: called after each chunk as `on_chunk(done, n_chunks, ppl_so_far, seconds)`
+        (chunks done, from 1; seconds since the first chunk began), e.g. to print a line
+        where stderr is not a terminal and the bar stays off.
 
     Raises:
       PerplexityError: ctx < MIN_CTX, fewer than 2 * ctx tokens, a bad `chunks`.
@@ -267,6 +271,8 @@ def perplexity(
             running.append(math.exp(total / ((index + 1) * (ctx - 1 - first))))
             bar.update(ctx)
             bar.set_postfix(ppl=f"{running[-1]:.4f}", refresh=False)
+            if on_chunk is not None:
+                on_chunk(index + 1, n_chunks, running[-1], time.perf_counter() - start)
     seconds = time.perf_counter() - start
     return PerplexityResult(
         estimate=estimate(np.concatenate(nlls)), chunk_ppl=tuple(running), ctx=ctx,
