@@ -131,6 +131,31 @@ def test_seeded_sampling_repeats_and_equals_the_cli(client):
     assert client.completions.create(**{**kwargs, "seed": 4243}).choices[0].text != a
 
 
+def test_one_slot_reuses_a_repeated_prompt_and_reports_cached_tokens(client):
+    """This module's server has one slot (--parallel=1): a prompt's prefix that the cache holds
+    from the previous request is not fed again, and usage says so (OpenAI's
+    prompt_tokens_details.cached_tokens) as the slots worker's does; the last prompt token is
+    always fed (its logits give the first new token)."""
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play"
+    client.completions.create(model=MODEL, prompt="Tom and Sue", max_tokens=4, temperature=0)
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    b = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert a.usage.prompt_tokens_details.cached_tokens <= 1  # at most BOS is shared
+    assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 1
+    assert b.choices[0].text == a.choices[0].text
+    # The cache holds the prompt and what was generated: a longer prompt reuses it all.
+    c = client.completions.create(model=MODEL, prompt=prompt + a.choices[0].text + " and",
+                                  max_tokens=2, temperature=0)
+    assert c.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens + 6
+    _, _, usage = stream_text(client, model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens - 1
+    # cache_prompt=false (llama.cpp server's field): the whole prompt is fed again.
+    d = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"cache_prompt": False})
+    assert d.usage.prompt_tokens_details.cached_tokens == 0
+    assert d.choices[0].text == a.choices[0].text
+
+
 def test_samplers_reach_the_sampler_as_on_the_cli(client):
     flags = ("--temperature=1.2", "--top_p=1", "--top_k=5", "--min_p=0.05",
              "--repeat_penalty=1.3", "--seed=99")

@@ -51,8 +51,12 @@ def test_greedy_chat_equals_the_cli_streaming_and_not(client, smollm2_gguf):
     want = cli_chat_reply(smollm2_gguf, QUESTION, 40)
     assert want.strip()
     messages = [{"role": "user", "content": QUESTION}]
+    # cache_prompt=false (llama.cpp server's field): the prompt is fed from position 0, as the
+    # CLI feeds it, rather than its prefix reused from the previous request (logits a few ulps
+    # apart: this greedy reply changes at a near-tie, "au martyre" / "au roi").
+    fresh = {"cache_prompt": False}
     got = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=40, temperature=0
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, extra_body=fresh
     )
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want
@@ -60,7 +64,7 @@ def test_greedy_chat_equals_the_cli_streaming_and_not(client, smollm2_gguf):
     deltas, finish, usage, roles = [], None, None, []
     for chunk in client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=40, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_body=fresh,
     ):
         usage = chunk.usage or usage
         for choice in chunk.choices:

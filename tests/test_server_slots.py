@@ -56,6 +56,10 @@ def test_a_repeated_prefix_is_served_from_a_slot_and_reported(server):
                                       temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
     assert first.usage.prompt_tokens_details.cached_tokens <= first.usage.prompt_tokens - 1
+    fresh = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"cache_prompt": False})
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert fresh.choices[0].text == first.choices[0].text
 
 
 def test_a_vanished_client_frees_its_slot_and_metrics_count(server):

@@ -48,6 +48,9 @@ class Request:
       ignore_eos: go on past the end-of-generation ids (fixed-length benchmarks).
       grammar: a `jllama.constrain.Grammar` the generated text must match (`Session.complete`'s
         grammar: a matcher of its own in its slot, its tokens drawn on the host), None: free.
+      cache_prompt: reuse the prompt prefix a free slot holds (the scheduler's reuse_prefix
+        permitting); False: the whole prompt is fed from position 0, as a run of its own feeds
+        it (logits computed with a prefix reused can differ from those in their last bits).
     """
 
     prompt_ids: Sequence[int]
@@ -57,6 +60,7 @@ class Request:
     logprobs: int | None = None
     ignore_eos: bool = False
     grammar: Grammar | None = None
+    cache_prompt: bool = True
 
 
 class Stream:
@@ -211,11 +215,12 @@ class Scheduler:
                     self._on_piece(stream, None)
                 continue
             ids = list(stream.request.prompt_ids)
+            reuse = self._reuse and stream.request.cache_prompt
             best = max(range(len(self._free)),
-                       key=lambda i: common_prefix_length(self._free[i][1], ids)) if self._reuse else 0
+                       key=lambda i: common_prefix_length(self._free[i][1], ids)) if reuse else 0
             slot, held = self._free.pop(best)
             # At least the last prompt token is fed: its logits give the first new token.
-            reused = min(common_prefix_length(held, ids), len(ids) - 1) if self._reuse else 0
+            reused = min(common_prefix_length(held, ids), len(ids) - 1) if reuse else 0
             stream._slot, stream._fed, stream.cached_tokens = slot, reused, reused
             self._running.append(stream)
 

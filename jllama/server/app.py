@@ -214,7 +214,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         check_length(ids, "prompt", max_tokens)
         job = Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs,
-                  ignore_eos=body.ignore_eos, grammar=grammar, grammar_param="response_format")
+                  ignore_eos=body.ignore_eos, grammar=grammar, grammar_param="response_format",
+                  cache_prompt=body.cache_prompt)
         submit(job)
         ident, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
 
@@ -269,7 +270,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                   logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                   ignore_eos=body.ignore_eos, grammar=plan.grammar,
                   grammar_param="tools" if plan.offers_tools else "response_format",
-                  finish_by_reply=plan.offers_tools)
+                  finish_by_reply=plan.offers_tools, cache_prompt=body.cache_prompt)
         submit(job)
         ident, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         reply = (ToolReply(expect_call=plan.mode in ("required", "named"))

@@ -1,11 +1,13 @@
 """The model worker: one thread that owns the backend and runs requests one at a time, in the
 order they came (a fair first-in, first-out queue).
 
-Isolation. Every request is a new sequence from position 0 of the backend's KV cache: the
-backends' attention masks every position after the current one, so nothing a previous request
-wrote is visible, and each request has its own `Sampler` (its own random generator). Two
-requests with the same settings therefore give the same tokens whatever ran before or beside
-them.
+Isolation. Every request is a new sequence of the backend's KV cache, which keeps the
+positions of the prompt prefix it shares with what the cache holds from the previous request
+(prefix reuse, as the slots worker's: `Done.cached_tokens`, OpenAI's
+`usage.prompt_tokens_details.cached_tokens`; at least the prompt's last token is fed again) and
+writes over the rest: the backends' attention masks every position after the current one, so
+nothing else a previous request wrote is visible, and each request has its own `Sampler` (its
+own random generator).
 
 Events go from the worker thread to the request's asyncio queue through
 `loop.call_soon_threadsafe`: `Text(text, logprobs)` pieces as the tokens come, then one `Done`
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jllama.errors import ConstraintError
+from jllama.generation.conversation import common_prefix_length
 from jllama.sampling import SamplerConfig
 from jllama.server.errors import APIError
 from jllama.server.metrics import Metrics
@@ -38,7 +41,7 @@ __all__ = ["Done", "Engine", "Failed", "Job", "Text", "TokenLogprob", "enqueue"]
 class Done:
     """The end: finish_reason "stop" (end-of-generation token or stop string) or "length"
     (max_tokens or the context); token counts for `usage`; cached_tokens: prompt tokens reused
-    from a slot's cache (the slot engine's; None from the one-at-a-time worker)."""
+    from the cache (a slot's, or the one-at-a-time worker's), None: not known."""
 
     finish_reason: str
     prompt_tokens: int
@@ -70,6 +73,10 @@ class Job:
         a 400 when its matcher fails mid-generation).
       events: where the worker puts `Text`, `Done` or `Failed` (an asyncio.Queue of the loop
         that submitted the job).
+      cache_prompt: reuse the prompt prefix the cache holds (llama.cpp server's field); False:
+        the whole prompt is fed from position 0, so the reply is the one a fresh run gives bit
+        for bit (with a prefix reused, logits can differ in their last bits, and a greedy reply
+        at a near-tie).
       finish_by_reply: the finish_reason /metrics counts is the reply's, given to `count` by
         whoever reads the events (a chat reply that is a tool call ends "tool_calls" where the
         worker says "stop"); False: the worker's, counted as the job ends.
@@ -88,6 +95,7 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     metrics: Metrics | None = None
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+    cache_prompt: bool = True
     finish_by_reply: bool = False
     _done: Done | None = None
     _counted: bool = False
@@ -167,6 +175,7 @@ class Engine:
         self.slots = 1
         self.metrics = Metrics(self)
         self._current: Job | None = None
+        self._held: list[int] = []  # the tokens whose keys and values the cache holds
         self._thread = threading.Thread(target=self._work, name="jllama-model", daemon=True)
         self._thread.start()
 
@@ -227,14 +236,23 @@ class Engine:
                     self.completed += 1
 
     def _generate(self, job: Job) -> None:
+        ids = list(job.prompt_ids)
+        # At least the last prompt token is fed: its logits give the first new token.
+        reused = min(common_prefix_length(self._held, ids), len(ids) - 1)
+        if not job.cache_prompt:
+            reused = 0
+        self._held = []  # what the cache holds is known again once the generation ends well
         completion = self.session.complete(
-            job.prompt_ids, job.sampler, max_tokens=job.max_tokens, stop=job.stop,
+            ids, job.sampler, max_tokens=job.max_tokens, stop=job.stop,
             logprobs=job.logprobs, cancelled=job.cancelled.is_set, grammar=job.grammar,
-            ignore_eos=job.ignore_eos,
+            ignore_eos=job.ignore_eos, start_pos=reused,
         )
         for piece in completion:
             job._emit(piece)
+        generation = completion.generation
+        # Positions 0 .. end_pos - 1 went through the model (an error above leaves it empty).
+        self._held = (ids + list(generation.generated_ids))[: generation.end_pos]
         if completion.finish_reason == "cancelled":
             return
-        generated = len(completion.generation.generated_ids)
-        job._emit(Done(completion.finish_reason, len(job.prompt_ids), generated))
+        job._emit(Done(completion.finish_reason, len(ids), len(generation.generated_ids),
+                       cached_tokens=reused))

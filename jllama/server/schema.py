@@ -11,7 +11,9 @@ so a value the CLI refuses is refused here with the same reason (`top_p: must be
 limits narrow three ranges (temperature at most 2, presence/frequency penalties in [-2, 2],
 logit_bias in [-100, 100]); top_logprobs [0, 20] and at most 4 stop strings are OpenAI's too. The
 extra samplers (top_k, min_p, repeat_penalty, penalty_last_n, samplers) are llama.cpp server's
-names, and so is ignore_eos (go on past the end-of-generation ids, for fixed-length benchmarks).
+names, and so are ignore_eos (go on past the end-of-generation ids, for fixed-length benchmarks)
+and cache_prompt (false: feed the whole prompt again rather than reuse the prefix the cache
+holds, for replies equal bit for bit to a fresh run's).
 
 `stream_options` is refused without `stream: true`, as OpenAI's API refuses it. A body nested more than MAX_DEPTH levels, or holding
 an integer of more than MAX_INT_DIGITS digits, is refused before it is validated, in this
@@ -120,6 +122,7 @@ class _Sampling(_Strict):
     samplers: list[str] | None = None
     user: str | None = None
     ignore_eos: bool = False  # llama.cpp server's: go on past the end-of-generation ids
+    cache_prompt: bool = True  # llama.cpp server's: False feeds the whole prompt again
 
     @field_validator("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                      "presence_penalty", "frequency_penalty", "penalty_last_n", "samplers")

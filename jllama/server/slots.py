@@ -88,6 +88,7 @@ class SlotEngine:
                     stream = self._scheduler.submit(Request(
                         job.prompt_ids, job.sampler, max_tokens=job.max_tokens, stop=job.stop,
                         logprobs=job.logprobs, ignore_eos=job.ignore_eos, grammar=job.grammar,
+                        cache_prompt=job.cache_prompt,
                     ))
                     self._jobs[id(stream)] = job
                 continue  # take every job that is there before the next round
