@@ -12,8 +12,13 @@ Each row: the task, decode tok/s of each round with and without drafts, their be
 ratio of the best, drafted / accepted tokens, and whether the token ids were the same (they
 must be: speculation changes nothing but the speed). The first line names the machine.
 
+With --server: two `jllama serve` engines in this process (ServerThread, --parallel=8, one
+with --draft=ngram), the edit task's greedy chat completion from 1 client and from 8 clients
+at once, alternated; completion tokens per second of wall time, and whether the texts match.
+
     .venv/bin/python bench/speculative.py                        # SmolLM2 (jllama fetch smollm2)
     .venv/bin/python bench/speculative.py --checkpoint=F.gguf --rounds=5 --out=results.jsonl
+    .venv/bin/python bench/speculative.py --server
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def main() -> int:
     p.add_argument("--max_tokens", type=int, default=400)
     p.add_argument("--draft_tokens", type=int, default=15)
     p.add_argument("--tasks", default="edit,chat")
+    p.add_argument("--server", action="store_true")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     lines = []
@@ -82,6 +88,9 @@ def main() -> int:
     emit({"metric": "meta", "machine": machine(), "args": {
         k: str(v) for k, v in vars(args).items()}})
     model = open_model(args.checkpoint)
+    if args.server:
+        served(model, args, emit)
+        return finish(args, lines)
     template = ChatTemplate(model.chat_template)
     sessions = {draft: Session.prepare(model, "jax", draft=draft, draft_tokens=args.draft_tokens)
                 for draft in ("none", "ngram")}
@@ -105,10 +114,58 @@ def main() -> int:
                   "ngram_tok_s": rates["ngram"],
                   "speedup": max(rates["ngram"]) / max(rates["none"]),
                   "drafted": drafted, "accepted": accepted, "same_ids": same})
+    return finish(args, lines)
+
+
+def finish(args, lines: list[str]) -> int:
     if args.out:
         with args.out.open("a") as f:
             f.write("\n".join(lines) + "\n")
     return 0
+
+
+def served(model, args, emit) -> None:
+    """The edit task through two in-process servers, 1 and 8 clients, alternated."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from jllama.backends import prepared_backend
+    from jllama.server import ServerThread
+
+    servers = {draft: ServerThread(model, prepared_backend(model, "jax"), "m", parallel=8,
+                                   draft=draft, draft_tokens=args.draft_tokens).start()
+               for draft in ("none", "ngram")}
+    body = {"model": "m", "temperature": 0, "max_tokens": args.max_tokens,
+            "messages": [{"role": "user", "content": TASKS["edit"][0]}]}
+
+    def one(url: str) -> tuple[str, int]:
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).json()
+        return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
+
+    def clients(url: str, n: int) -> tuple[float, list[str]]:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            replies = list(pool.map(one, [url] * n))
+        return sum(k for _, k in replies) / (time.perf_counter() - started), [r for r, _ in replies]
+
+    try:
+        for server in servers.values():
+            clients(server.url, 1)  # compile outside the timed rounds
+        for n in (1, 8):
+            rates, texts = {"none": [], "ngram": []}, {}
+            for _ in range(args.rounds):  # alternated
+                for draft, server in servers.items():
+                    rate, texts[draft] = clients(server.url, n)
+                    rates[draft].append(rate)
+            emit({"metric": "speculative_server", "task": "edit", "clients": n,
+                  "plain_tok_s": rates["none"], "ngram_tok_s": rates["ngram"],
+                  "speedup": max(rates["ngram"]) / max(rates["none"]),
+                  "same_text": texts["none"] == texts["ngram"]})
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -242,3 +242,29 @@ def test_smollm2_greedy_with_ngram_drafts_is_plain_greedy(smollm2_gguf):
     (plain, _), (drafted, stats) = runs["none"], runs["ngram"]
     assert len(plain) > 60 and drafted == plain
     assert stats.accepted_tokens > 20
+
+
+# ------------------------------------------------------------------------------------------
+# The scheduler (the server's engine): drafts while a request decodes alone, the batched step
+# beside others; the same tokens either way.
+
+def _scheduled(draft, prompts, n_slots=4):
+    from jllama.engine.scheduler import Request, complete_all
+
+    model = open_model(None)
+    session = Session.prepare(model, "jax", draft=draft, device_sampling=False)
+    requests = [Request(session.encode(p), Sampler(temperature=0.0), max_tokens=150)
+                for p in prompts]
+    streams = complete_all(session, requests, n_slots=n_slots)
+    return [s.generated_ids for s in streams], [s._completion.generation.stats for s in streams]
+
+
+def test_scheduled_requests_with_drafts_give_the_plain_tokens():
+    prompts = [PROMPT, "Lily and Ben went to the park. Lily and Ben", "Once upon a time"]
+    alone_plain, _ = _scheduled("none", prompts[:1])
+    alone, stats = _scheduled("ngram", prompts[:1])
+    assert alone == alone_plain and stats[0].accepted_tokens > 0  # drafted while alone
+    together_plain, _ = _scheduled("none", prompts)
+    together, stats = _scheduled("ngram", prompts)
+    assert together == together_plain
+    assert together[0] == alone[0]  # batch-invariant rows, drafted or not

@@ -31,6 +31,10 @@ from jllama.generation.conversation import common_prefix_length
 from jllama.sampling import Sampler, SamplerConfig
 from jllama.generation.streaming import Text
 
+SPECULATE_ALONE = 1
+"""Running requests at most for a request's speculative decoding (`Session(draft=...)`) to
+draft: with more, the batched step already reads each weight once for all of them."""
+
 if TYPE_CHECKING:  # llguidance is imported only where a grammar is used
     from jllama.constrain import Grammar
 
@@ -239,6 +243,11 @@ class Scheduler:
             slot=stream._slot, start_pos=stream._fed, ignore_eos=r.ignore_eos, each_token=True,
             grammar=r.grammar,
         )
+        decoder = stream._completion.generation.speculation
+        if decoder is not None:
+            # Drafts only while the request decodes alone: beside others, its tokens come
+            # from the batched step's row (one weight read for every sequence).
+            decoder.enabled = lambda: len(self._running) <= SPECULATE_ALONE
         stream._iterator = iter(stream._completion)
         return False
 

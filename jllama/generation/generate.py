@@ -229,11 +229,17 @@ class Generation:
             for i in range(1, len(prompt)):
                 yield Token(id=prompt[i], prev=prompt[i - 1], pos=self.start_pos + i, sampled=False)
             first, token = len(prompt) - 1, prompt[-1]
-        for i in range(first, steps):
+        i = first
+        loop_next = False  # decided when the last token was yielded (next_input follows it)
+        while i < steps:
             pos = self.start_pos + i
-            if self._decode_loop is not None and first_sampled_at is not None:
-                yield from self._run_loop(token, i, steps, stop_ids, clock, first_sampled_at)
-                return
+            if loop_next:
+                i, token = yield from self._run_loop(token, i, steps, stop_ids, clock,
+                                                     first_sampled_at)
+                if i is None:
+                    return
+                loop_next = False  # it stepped aside after setting next_input
+                continue
             if first and i == first:
                 logits = prefilled
             else:
@@ -260,13 +266,26 @@ class Generation:
                     stats.decode_steps += 1
                 if self._stopped_by(next_token, stop_ids):
                     return
-            if i + 1 < steps and (self._decode_loop is None or first_sampled_at is None):
+            loop_next = first_sampled_at is not None and self._looping()
+            if i + 1 < steps and not loop_next:
                 self.next_input = (next_token, pos + 1)
             yield Token(id=next_token, prev=token, pos=pos + 1, sampled=sampled)
             self.next_input = None
             token = next_token
+            i += 1
         if first_sampled_at is None:  # the prompt filled every step: all of it was prefill
             stats.prefill_seconds = clock() - start
+
+    def _looping(self) -> bool:
+        """Whether the next sampled tokens come from `decode_loop`: there is one and it has
+        not stepped aside (a `decode_loop` with an `active()` that says False, e.g. a
+        speculative decoder while other sequences share the batched step, leaves the token to
+        one `forward`)."""
+        loop = self._decode_loop
+        if loop is None:
+            return False
+        active = getattr(loop, "active", None)
+        return active is None or active()
 
     def _stopped_by(self, token: int, stop_ids: frozenset[int]) -> bool:
         """Take a sampled token: True (and `stop_token` set) when it ends the generation, else
@@ -278,20 +297,29 @@ class Generation:
         self.generated_ids.append(token)
         return False
 
-    def _run_loop(self, token, i, steps, stop_ids, clock, first_sampled_at) -> Iterator[Token]:
-        """Steps i.. steps - 1 through `decode_loop`, in chunks; `token` was sampled last."""
+    def _run_loop(self, token, i, steps, stop_ids, clock, first_sampled_at):
+        """Steps i.. steps - 1 through `decode_loop`, in chunks, while it is active; `token`
+        was sampled last. Returns (i, token) to go on from where it stepped aside, or
+        (None, None) once the generation ended."""
         stats = self.stats
         while i < steps:
             pos = self.start_pos + i
             ids, finite = self._decode_loop(token, pos, steps - i)
             self.end_pos = pos + len(ids) + (0 if finite else 1)
             stats.decode_seconds = clock() - first_sampled_at
-            for next_token in ids:
+            for n, next_token in enumerate(ids):
                 next_token = int(next_token)
                 stats.decode_steps += 1
                 if self._stopped_by(next_token, stop_ids):
-                    return
+                    return None, None
+                aside = n + 1 == len(ids) and finite and not self._looping()
+                if aside and i + 1 < steps:
+                    self.next_input = (next_token, pos + 1)  # the next step is a forward
                 yield Token(id=next_token, prev=token, pos=pos + 1, sampled=True)
+                self.next_input = None
                 token, pos, i = next_token, pos + 1, i + 1
+                if aside:
+                    return i, token
             if not finite:
                 raise _not_finite(pos)
+        return None, None

@@ -163,9 +163,17 @@ class SpeculativeDecoder:
         self._misses = 0  # plain calls since a draft was last accepted
         self._rest = 0  # calls left before drafting again, after drafts that failed
         self.calls = 0
+        self.enabled: Callable[[], bool] | None = None
+        """Asked before each call where set (a scheduler: only while the sequence decodes
+        alone); False: the generation takes its next token from one `forward` instead (the
+        batched step's row), the same token."""
         self.stats = GenerationStats()
         """Where drafted and accepted tokens are counted: the generation's own stats once
         `Session.generate` hands them over."""
+
+    def active(self) -> bool:
+        """Whether the generation's next tokens come from this decoder (`enabled`)."""
+        return self.enabled is None or self.enabled()
 
     def __call__(self, token: int, pos: int, n: int) -> tuple[list[int], bool]:
         history = self.history

@@ -99,6 +99,7 @@ class ServerThread:
       parallel: requests generated at once (`make_worker`).
       model_id: the name clients use as `model`.
       host, port: where to listen (port 0: a free port; see `url`).
+      draft, draft_tokens: speculative decoding of greedy requests (`Session`'s).
       **app_options: for `make_server` and `create_app` (max_body_bytes, head_timeout_s,
         body_timeout_s).
 
@@ -109,11 +110,12 @@ class ServerThread:
 
     def __init__(self, model, backend, model_id: str, host: str = "127.0.0.1", port: int = 0,
                  use_prefill: bool = True, max_waiting: int = 256, parallel: int = 1,
-                 **app_options):
+                 draft: str = "none", draft_tokens: int = 15, **app_options):
         from jllama.generation.session import Session
 
         session = Session(model, backend, decode="graph", device_sampling=False,
-                          prefill="chunked" if use_prefill else "token")
+                          prefill="chunked" if use_prefill else "token", draft=draft,
+                          draft_tokens=draft_tokens)
         self.engine = make_worker(session, parallel, max_waiting)
         self._sock = bind(host, port)
         self.port = self._sock.getsockname()[1]
