@@ -56,7 +56,13 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import time
 import warnings
+
+_IMPORTED_AT = time.perf_counter()
+"""When Python began importing jllama (a `time.perf_counter()` reading): the end of what the
+process did before it ran jllama's code (a wrapper's work before exec, the interpreter's
+start), `jllama.platform.runtime.python_start`."""
 
 __version__ = "0.1.0"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -106,20 +107,43 @@ def test_nocompile_cache_stores_nothing(home):
 
 def test_startup_times_are_parts_of_the_wait_for_the_first_token(home):
     out, err = jllama(home)
-    parts = ("startup_seconds", "load_seconds", "compile_seconds", "prefill_seconds")
+    parts = ("startup_seconds", "load_seconds", "jax_seconds", "compile_seconds",
+             "prefill_seconds", "other_seconds")
     assert all(out[name] >= 0 for name in parts)
-    # The four are consecutive, disjoint spans of one clock between the process's start and
-    # the first sampled token.
-    assert out["first_token_seconds"] >= sum(out[name] for name in parts)
+    # Consecutive, disjoint spans of one clock between the process's start and the first
+    # sampled token, "other" the time no part names: they add up to it.
+    assert sum(out[name] for name in parts) == pytest.approx(out["first_token_seconds"],
+                                                             abs=1e-9)
     assert out["compile_seconds"] > 0 and out["load_seconds"] > 0 and out["startup_seconds"] > 0
-    # The same figures on the text stats line (a text run of its own).
+    assert 0 < out["before_python_seconds"] < out["startup_seconds"]
+    # The same on the text stats line (a text run of its own): the printed parts add up to
+    # the printed total within their rounding (half a hundredth each, and the total's).
     env = {**os.environ, "JLLAMA_HOME": str(home)}
     text = subprocess.run(jllama_command() + [a for a in ARGS if "output_format" not in a],
                           capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     stats = next(line for line in text.stderr.splitlines() if line.startswith("achieved tok/s"))
-    for words in ("s after the process started: startup ", ", load ", ", compile ",
-                  " from the cache), prefill "):
-        assert words in stats, stats
+    found = re.search(
+        r"; first token ([0-9.]+) s after the process started: startup ([0-9.]+) s \(exec and "
+        r"interpreter ([0-9.]+) s\), load ([0-9.]+) s, JAX start ([0-9.]+) s, compile ([0-9.]+) "
+        r"s \(\d+ programs, \d+ from the cache\), prefill ([0-9.]+) s, other ([0-9.]+) s$",
+        stats)
+    assert found, stats
+    total, startup, before_python, *rest = (float(v) for v in found.groups())
+    assert abs(startup + sum(rest) - total) <= 0.005 * 7 + 1e-9, stats
+    assert before_python <= startup
+
+
+def test_what_ran_before_exec_is_named_as_such(tmp_path):
+    """A shell that sleeps 0.3 s in the process before exec'ing jllama (a wrapper script's
+    way): the process's start is its fork, so the wait counts those 0.3 s, in the part said to
+    come before Python (the compile cache of the machine's $JLLAMA_HOME: a warm run)."""
+    command = " ".join(f"'{a}'" for a in jllama_command() + list(ARGS))
+    done = subprocess.run(["sh", "-c", f"sleep 0.3; exec {command}"], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert 0.3 <= out["before_python_seconds"] < out["startup_seconds"]
+    assert out["first_token_seconds"] > 0.3
 
 
 def test_the_cache_folder_changes_with_the_kernel_library(monkeypatch, tmp_path):

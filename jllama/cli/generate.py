@@ -60,7 +60,9 @@ def main(options: Options) -> int:
         say(f"seed {seed} (repeat with --seed={seed})")
     if speak:
         say(required_memory(model, n_devices, kv_types))
-    programs = compile_programs(run, speak)
+    jax_began = time.perf_counter()
+    programs = compile_programs(run, speak)  # the first import of JAX, in most runs
+    jax_seconds = time.perf_counter() - jax_began
     session = open_session(model, run, n_devices, speak)
     if tokenizer.vocab_size < config.vocab_size and run.decode == "loop":
         raise JllamaError(
@@ -75,12 +77,14 @@ def main(options: Options) -> int:
     if len(prompt_ids) > steps and speak:
         say(f"warning: the prompt ({len(prompt_ids)} tokens) is longer than --steps={steps}; "
             "nothing will be generated")
-    generation = session.generate(prompt_ids, sampler, steps, started_at=runtime.process_start(),
+    began = runtime.process_start()
+    generation = session.generate(prompt_ids, sampler, steps, started_at=began,
                                   grammar=text.grammar)
     stats = generation.stats
-    stats.startup_seconds = load_began - runtime.process_start()
+    stats.startup_seconds = load_began - began
     stats.load_seconds = read_seconds + session.place_seconds
     stats.compile_seconds = session.compile_seconds
+    wait = _Wait(stats, before_python=max(0.0, runtime.python_start() - began), jax=jax_seconds)
 
     if text.output_format == "json":
         for _ in generation:
@@ -108,6 +112,9 @@ def main(options: Options) -> int:
             "startup_seconds": stats.startup_seconds,
             "load_seconds": stats.load_seconds,
             "first_token_seconds": stats.first_token_seconds,
+            "before_python_seconds": wait.before_python,
+            "jax_seconds": wait.jax,
+            "other_seconds": wait.other,
             "programs_compiled": programs.counts.compiled,
             "programs_from_cache": programs.counts.from_cache,
         }), flush=True)
@@ -134,7 +141,7 @@ def main(options: Options) -> int:
     out.flush()
     _note_incomplete(generation, speak)
     if speak:
-        print(rates(generation.stats) + _startup(generation.stats, programs), file=sys.stderr)
+        print(rates(generation.stats) + _startup(wait, programs), file=sys.stderr)
     return 0
 
 
@@ -201,15 +208,47 @@ def _verify(weights) -> int:
     return 0 if ok else 1
 
 
-def _startup(stats: GenerationStats, programs) -> str:
-    """The stats line's second half: what the wait for the first token was made of."""
-    counts = programs.counts
+@dataclasses.dataclass(frozen=True)
+class _Wait:
+    """What the wait for the first token was made of: spans of one clock from the process's
+    start, one after the other, so the parts add up to `stats.first_token_seconds`.
+
+      startup        the process's start to the model's read: exec, the interpreter, imports,
+                     flags (`before_python` of it: until Python began importing jllama, which
+                     counts a shell's or a wrapper's work in the process before its exec)
+      load           reading the file, placing the weights (`stats.load_seconds`)
+      jax            importing JAX and setting up its compile cache (`compile_programs`)
+      compile        compiling or loading the programs (`stats.compile_seconds`)
+      prefill        the prompt's forward passes (`stats.prefill_seconds`)
+      other          the rest: the prompt's tokenizing, the memory plan, the sampler, the
+                     backend's setup beside placing and compiling
+    """
+
+    stats: GenerationStats
+    before_python: float
+    jax: float
+
+    @property
+    def other(self) -> float:
+        s = self.stats
+        if not s.first_token_seconds:  # no token sampled: nothing to split
+            return 0.0
+        return s.first_token_seconds - (s.startup_seconds + s.load_seconds + self.jax
+                                        + s.compile_seconds + s.prefill_seconds)
+
+
+def _startup(wait: _Wait, programs) -> str:
+    """The stats line's second half: what the wait for the first token was made of (parts
+    that add up to it, `_Wait`)."""
+    stats, counts = wait.stats, programs.counts
     cached = f", {counts.from_cache} from the cache" if programs.folder is not None else ""
     return (
         f"; first token {stats.first_token_seconds:.2f} s after the process started: "
-        f"startup {stats.startup_seconds:.2f} s, load {stats.load_seconds:.2f} s, "
+        f"startup {stats.startup_seconds:.2f} s "
+        f"(exec and interpreter {wait.before_python:.2f} s), "
+        f"load {stats.load_seconds:.2f} s, JAX start {wait.jax:.2f} s, "
         f"compile {stats.compile_seconds:.2f} s ({counts.requested} programs{cached}), "
-        f"prefill {stats.prefill_seconds:.2f} s"
+        f"prefill {stats.prefill_seconds:.2f} s, other {wait.other:.2f} s"
     )
 
 

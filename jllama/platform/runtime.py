@@ -56,6 +56,16 @@ def process_start() -> float:
     return time.perf_counter() - age if age >= 0 else _IMPORTED_AT
 
 
+def python_start() -> float:
+    """When Python began importing jllama, as a `time.perf_counter()` reading: from
+    `process_start()` to it is what ran before jllama's code (the exec of the interpreter, and
+    whatever a shell or a wrapper did in the process before that exec; the process's start is
+    its fork), then the interpreter's own start."""
+    import jllama
+
+    return jllama._IMPORTED_AT
+
+
 def available_memory_bytes() -> int | None:
     """Memory the kernel says can be allocated without swapping (Linux `MemAvailable`), bytes;
     None where it cannot be read."""
