@@ -176,15 +176,6 @@ def test_greedy_with_ngram_drafts_is_plain_greedy(backend, decode):
     assert decoder.stats.drafted_tokens > 0 and decoder.stats.accepted_tokens > 0  # used
 
 
-def test_sampled_generations_decode_plainly():
-    model = open_model(None)
-    session = Session.prepare(model, "jax", draft="ngram")
-    generation = session.generate(session.encode(PROMPT), Sampler(temperature=0.8, seed=3),
-                                  steps=64)
-    list(generation)
-    assert generation.speculation is None
-
-
 def test_an_unknown_drafter_is_refused():
     with pytest.raises(ValueError, match="draft='eagle'"):
         Session(open_model(None), make_backend("numpy"), draft="eagle")
@@ -268,3 +259,60 @@ def test_scheduled_requests_with_drafts_give_the_plain_tokens():
     together, stats = _scheduled("ngram", prompts)
     assert together == together_plain
     assert together[0] == alone[0]  # batch-invariant rows, drafted or not
+
+
+# ------------------------------------------------------------------------------------------
+# Sampled generations: each token's distribution is the sampler's, drafts or not.
+
+def test_sampled_drafts_keep_the_samplers_distribution():
+    """A Markov chain of 5 tokens (the logits after token t are row t of a fixed table) with
+    drafts of 2 tokens, right or wrong: the frequencies of 3-token continuations over 6000
+    runs against the chain's probabilities worked out in float64 (chi-square, p > 0.01), and
+    against plain draws' frequencies."""
+    from scipy.stats import chisquare
+
+    vocab, temperature = 5, 1.5
+    table = np.random.default_rng(2).normal(0, 1, (vocab, vocab)).astype(np.float32)
+
+    def verify(tokens, start_pos):
+        return np.stack([table[t] for t in tokens])
+
+    class NextTwo:  # drafts the two tokens after the last one, cyclically
+        def draft(self, history, k):
+            return [(history[-1] + 1) % vocab, (history[-1] + 2) % vocab][:k]
+
+    p = np.exp(table.astype(np.float64) / np.float32(temperature))
+    p /= p.sum(axis=1, keepdims=True)
+    expected = np.array([p[0, a] * p[a, b] * p[b, c] for a in range(vocab)
+                         for b in range(vocab) for c in range(vocab)])
+    runs = 6000
+    counts = np.zeros(vocab ** 3)
+    drafted = accepted = 0
+    for seed in range(runs):
+        decoder = SpeculativeDecoder(verify, NextTwo(), [], stop_ids=[], seq_len=100,
+                                     max_draft=2, sampler=Sampler(temperature, 1.0, seed + 1))
+        out, token, pos = [], 0, 0
+        while len(out) < 3:
+            ids, _ = decoder(token, pos, 3 - len(out))
+            out += ids
+            token, pos = ids[-1], pos + len(ids)
+        counts[(out[0] * vocab + out[1]) * vocab + out[2]] += 1
+        drafted += decoder.stats.drafted_tokens
+        accepted += decoder.stats.accepted_tokens
+    assert 0 < accepted < drafted  # both paths taken
+    keep = expected * runs >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    wanted = np.append(expected[keep], expected[~keep].sum()) * runs
+    assert chisquare(observed, wanted).pvalue > 0.01
+
+
+def test_sampled_generations_with_drafts_run_and_count_them():
+    model = open_model(None)
+    session = Session.prepare(model, "jax", draft="ngram")
+    generation = session.generate(session.encode(PROMPT), Sampler(temperature=0.5, seed=3),
+                                  steps=200)
+    ids = [t.id for t in generation]
+    assert len(ids) > 40 and generation.speculation is not None
+    again = session.generate(session.encode(PROMPT), Sampler(temperature=0.5, seed=3),
+                             steps=200)
+    assert [t.id for t in again] == ids  # seeded: reproducible

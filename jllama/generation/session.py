@@ -46,6 +46,7 @@ from jllama.generation.speculative import (
     SpeculativeDecoder,
     greedy,
     make_drafter,
+    runc_sampled,
     verifier,
 )
 from jllama.generation.streaming import Completion, LogitsRecorder, Text
@@ -246,7 +247,7 @@ class Session(SlotsMixin):
         loop = None
         speculation = None
         if (self.draft != "none" and grammar is None and not host_logits and sample is None
-                and greedy(sampler)):
+                and (greedy(sampler) or runc_sampled(sampler))):
             plain = None
             if self.decode_mode(sampler) == "loop":
                 plain = LoopDecoder(self.backend, sampler, stop_ids)
@@ -258,6 +259,7 @@ class Session(SlotsMixin):
                 self._bound(slot, verifier(self.backend)), make_drafter(self.draft),
                 [*context_ids, *prompt_ids], stop_ids, self.config.seq_len, self.draft_tokens,
                 self.tokenizer.vocab_size if self.padded else None, plain,
+                None if greedy(sampler) else sampler,
             )
         # A padded vocabulary is masked on the host (restrict_to_vocabulary), so graph mode;
         # so is a grammar where the device loop takes no masks.

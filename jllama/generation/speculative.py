@@ -12,6 +12,15 @@ a row whose inputs were right); the cache positions after it hold rejected token
 are written over by the next call before anything reads them (attention at a position reads
 positions up to it only). So the tokens are plain greedy decoding's, whatever the drafts.
 
+A sampled generation (run.c's sampler at a temperature above 0) accepts a drafted token d
+with probability p(d) under the sampler's distribution p and otherwise draws from p without
+d, renormalised: the speculative sampling rule for a one-hot draft, so each token's
+distribution is exactly the sampler's. Its random stream (the sampler's own generator): one
+coin per drafted token tested, one more for a draw (a rejection's, or a row without a draft);
+the plain stretches draw as the sampler does, one coin a token. A seeded sampled generation
+with drafts is reproducible; its tokens are not those of the same seed without drafts (only
+their distribution is).
+
 Drafters:
 
   NgramDrafter  prompt lookup: the tokens that followed the latest earlier occurrence of the
@@ -36,7 +45,8 @@ import numpy as np
 from jllama.backends.base import Verify
 from jllama.generation.device_loop import runc_settings_only
 from jllama.generation.generate import GenerationStats
-from jllama.sampling import Sampler, argmax
+from jllama.sampling import Sampler, argmax, softmax
+from jllama.sampling.runc import first_above, nucleus
 
 DRAFTERS = ("none", "ngram")
 """What `--draft` takes."""
@@ -106,6 +116,38 @@ def make_drafter(name: str):
     raise ValueError(f"draft={name!r}; known: {', '.join(DRAFTERS)}")
 
 
+def runc_sampled(sampler) -> bool:
+    """Whether `sampler` draws exactly run.c's way at a temperature above 0 (temperature, then
+    top_p; no penalty or bias): its distribution is `runc_distribution`'s."""
+    return (isinstance(sampler, Sampler) and sampler.runc_settings is not None
+            and sampler.runc_settings[0] != 0)
+
+
+def runc_distribution(logits: np.ndarray, temperature: np.float32,
+                      top_p: np.float32) -> np.ndarray:
+    """The distribution run.c's sampler draws the next token from: f64[vocab_size], softmax of
+    logits / temperature (float32, as run.c), restricted to the nucleus of `sample_topp` and
+    renormalised where 0 < top_p < 1 (the most likely token alone where no token reaches
+    run.c's cutoff)."""
+    probs = softmax(np.asarray(logits, np.float32) / np.float32(temperature))
+    out = probs.astype(np.float64)
+    if 0 < top_p < 1 and probs.shape[0] > 1:
+        found = nucleus(probs, np.float32(top_p))
+        out = np.zeros(probs.shape[0], np.float64)
+        if found is None:
+            out[int(np.argmax(probs))] = 1.0
+        else:
+            kept, cdf = found
+            out[kept] = probs[kept].astype(np.float64) / np.float64(cdf[-1])
+    return out
+
+
+def draw(probs: np.ndarray, coin: np.float32) -> int:
+    """The first token whose cumulative probability exceeds `coin` (`probs`: f64, summing to
+    1 up to rounding)."""
+    return first_above(np.cumsum(probs), np.float64(coin))
+
+
 def greedy(sampler) -> bool:
     """Whether `sampler` draws run.c's argmax: a `Sampler` at temperature 0 with run.c's
     settings only (a repetition penalty or the like reads more than the logits)."""
@@ -140,6 +182,8 @@ class SpeculativeDecoder:
       max_draft: the longest draft (1 .. MAX_DRAFT_TOKENS).
       n_logits: the logits that are tokens (a padded vocabulary's tail is never chosen), or
         None for all of them.
+      sampler: None for greedy decoding (argmaxes, bit-exact); a `Sampler` drawing run.c's
+        way (`runc_sampled`) for sampled decoding with the accept/reject rule below.
       plain: the generation's own `decode_loop` without drafts (the device loop, greedy), for
         stretches where nothing is drafted: 2, 4, 8, 16 tokens a call while no draft is
         accepted (its tokens are the same argmaxes), so text that does not repeat decodes at
@@ -149,7 +193,8 @@ class SpeculativeDecoder:
     def __init__(self, verify: Callable[[Sequence[int], int], np.ndarray], drafter,
                  history: Sequence[int], stop_ids: Sequence[int], seq_len: int,
                  max_draft: int = 8, n_logits: int | None = None,
-                 plain: Callable[[int, int, int], tuple[list[int], bool]] | None = None):
+                 plain: Callable[[int, int, int], tuple[list[int], bool]] | None = None,
+                 sampler: Sampler | None = None):
         if not 1 <= max_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens={max_draft} must be in 1..{MAX_DRAFT_TOKENS}")
         self._verify, self._drafter = verify, drafter
@@ -160,6 +205,7 @@ class SpeculativeDecoder:
         self.k = min(4, max_draft)
         self._n_logits = n_logits
         self._plain = plain
+        self._sampler = sampler
         self._misses = 0  # plain calls since a draft was last accepted
         self._rest = 0  # calls left before drafting again, after drafts that failed
         self.calls = 0
@@ -201,15 +247,34 @@ class SpeculativeDecoder:
             logits = rows[r] if self._n_logits is None else rows[r][:self._n_logits]
             if not np.isfinite(logits).all():
                 return ids, False
-            chosen = int(argmax(logits))
+            proposed = draft[r] if r < len(draft) else None
+            chosen = (int(argmax(logits)) if self._sampler is None
+                      else self._sampled(logits, proposed))
             ids.append(chosen)
-            if chosen in self._stop_ids or r == len(draft) or chosen != draft[r]:
+            if chosen in self._stop_ids or proposed is None or chosen != proposed:
                 break
         # ids[:-1] matched the draft; the last is the target's own (the draft holds no stop
         # token, so a stop token ending the run is never a match).
         self._adapt(len(draft), len(ids) - 1)
         history.extend(ids[:-1])
         return ids, True
+
+    def _sampled(self, logits: np.ndarray, proposed: int | None) -> int:
+        """The token at a row of a sampled generation: a drafted token `proposed` is
+        accepted with probability p(proposed) under the sampler's distribution p (one coin);
+        otherwise (or with no draft) the token is drawn from p with the rejected token's mass
+        removed and renormalised (one more coin). The draft is one-hot, so this is the
+        speculative sampling rule (accept with min(1, p/q), resample from norm(max(p - q, 0)))
+        and the token's distribution is exactly p."""
+        temperature, top_p = self._sampler.runc_settings
+        probs = runc_distribution(logits, temperature, top_p)
+        rng = self._sampler.rng
+        if proposed is not None:
+            if rng.random_f32() < probs[proposed]:
+                return proposed
+            probs[proposed] = 0.0
+            probs /= probs.sum()
+        return draw(probs, rng.random_f32())
 
     def _adapt(self, drafted: int, accepted: int) -> None:
         self.calls += 1
