@@ -94,3 +94,19 @@ def test_c_is_the_chunk_size_of_perplexity_as_llama_perplexity_s(tmp_path):
     # A -c too large for the text names the flag it came from.
     refused = run(*args, "-c", "64")
     assert refused.returncode == 1 and "--seq_len=64" in refused.stderr, refused.stderr
+
+
+def test_serve_refuses_the_sampler_flags_it_would_ignore():
+    """A request brings its own sampler settings (OpenAI's defaults where absent): the
+    command line's would be silently ignored, so serve refuses them before it starts."""
+    for args, named in [
+        (["--temperature=0"], "--temperature"),
+        (["--temp", "0.5", "--top_k=5"], "--temperature, --top_k"),
+        (["--seed=3"], "--seed"),
+        (["--json"], "--json"),
+    ]:
+        done = run("serve", "--port=0", *args, timeout=60)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr == (
+            f"jllama: error: serve: {named}: a request's sampler setting, not the server's "
+            "(a request without one gets OpenAI's default); leave it out\n"), done.stderr

@@ -98,13 +98,22 @@ class TextOptions:
     grammar: Grammar | None = None
 
 
+REQUEST_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty",
+                 "frequency_penalty", "penalty_last_n", "samplers", "seed", *CONSTRAINT_FLAGS)
+"""The flags of what a server request sets for itself (its sampler and constraint)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
+    """--host, --port, --model_name, --max_waiting, --parallel, and the `REQUEST_FLAGS` given
+    on the command line (which the server does not take)."""
+
     host: str
     port: int
     model_name: str | None
     max_waiting: int
     parallel: int
+    request_flags: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +181,8 @@ def from_flags() -> Options:
         sampling=_sampling(),
         text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
                          f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint()),
-        serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting, f.parallel),
+        serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting, f.parallel,
+                           tuple(name for name in REQUEST_FLAGS if f[name].present)),
         perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len, f["ctx"].present),
         tools=ToolOptions(f.pieces, f.force, f.output, int(f.llama2c_version), f.group_size,
                           f["group_size"].present),

@@ -11,6 +11,7 @@ from jllama.cli.common import (
     say,
 )
 from jllama.cli.options import Options
+from jllama.errors import JllamaError
 from jllama.platform.fetch import KNOWN_MODELS
 from jllama.model.loading import open_model, required_memory
 from jllama.platform.memory import check_memory
@@ -33,6 +34,13 @@ def main(options: Options) -> int:
     from jllama.server import bind, make_server, make_worker
 
     run, serve, m = options.run, options.serve, options.model
+    if serve.request_flags:
+        # A request without a setting gets OpenAI's default, whatever the command line said.
+        raise JllamaError(
+            f"serve: {', '.join('--' + name for name in serve.request_flags)}: a request's "
+            "sampler setting, not the server's (a request without one gets OpenAI's default); "
+            "leave it out"
+        )
     if run.threads:
         runtime.limit_cpu_threads(run.threads)
     one_process("serve", run)
