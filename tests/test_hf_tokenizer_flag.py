@@ -74,6 +74,25 @@ def test_a_bare_folder_takes_a_tokenizer_json_from_elsewhere(weights_only):
     assert borrowed.stop_ids == own.stop_ids
 
 
+def test_a_borrowed_tokenizer_json_brings_its_chat_template(weights_only, tmp_path):
+    """tokenizer_config.json beside a --tokenizer=.../tokenizer.json is read whole: its
+    bos/eos and, for a folder with no chat template of its own, its chat template (as the
+    folder that holds both files gives them); a folder's own template stays the folder's."""
+    tokenizer = LLAMA32_TINY / "tokenizer.json"
+    whole = open_model(LLAMA32_TINY)
+    assert whole.chat_template  # the committed folder's, from its tokenizer_config.json
+    assert open_model(weights_only, tokenizer=tokenizer).chat_template == whole.chat_template
+    own = tmp_path / "own"
+    shutil.copytree(weights_only, own)
+    (own / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert open_model(own, tokenizer=tokenizer).chat_template == (
+        "{{ messages[0]['content'] }}")
+
+
+def test_a_borrowed_tokenizer_bin_brings_no_chat_template(bare):
+    assert open_model(bare, tokenizer=TOK512).chat_template is None
+
+
 def test_a_bare_folder_without_a_tokenizer_says_to_pass_one(bare):
     with pytest.raises(TokenizerError) as info:
         open_model(bare)

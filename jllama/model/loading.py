@@ -197,6 +197,9 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
             _check_fits(hf_tokenizer, path, h.config.vocab_size)
         elif need_tokenizer and tokenizer is not None:
             hf_tokenizer = load_tokenizer(path, h.config.vocab_size, tokenizer)
+            # A tokenizer.json is read with the configs beside it (load_tokenizer): its
+            # tokenizer_config.json's chat template too, where the folder has none of its own.
+            template = template or _borrowed_chat_template(tokenizer)
         elif need_tokenizer:
             raise TokenizerError(
                 f"the Hugging Face folder {path} has no tokenizer.json (nor Meta's tiktoken "
@@ -316,6 +319,17 @@ def load_tokenizer(
         _check_fits(found, tokenizer, vocab_size)
         return found
     return read_tokenizer(tokenizer, vocab_size=vocab_size)
+
+
+def _borrowed_chat_template(tokenizer: str | os.PathLike) -> str | None:
+    """The chat template beside a tokenizer.json given as --tokenizer (its folder's
+    chat_template.jinja or tokenizer_config.json, as for the folder that holds it); None for
+    another kind of tokenizer file."""
+    if Path(tokenizer).name != "tokenizer.json":
+        return None
+    from jllama.tokenizers.hf import read_hf_chat_template
+
+    return read_hf_chat_template(Path(tokenizer).parent)
 
 
 def _head(path: str | os.PathLike, n: int = 4096) -> bytes:
