@@ -358,6 +358,31 @@ def _one_line(message: str, *needles: str) -> None:
         assert needle in message, (needle, message)
 
 
+@pytest.mark.parametrize("scale", [3e38, float("inf"), float("nan")])
+def test_a_huge_group_scale_is_one_stderr_line_and_exit_1(tmp_path, stories260k, scale):
+    """The command on the stories260K file written as version 2, the first group scale of its
+    embedding (after the header and the three norms in f32, then the embedding's int8 values)
+    set to 3e38: finite, but 3e38 * 127 is not a float32 (dequantizing it once printed two
+    NumPy RuntimeWarning lines before the error). One line on stderr, exit code 1."""
+    from test_cli import run
+
+    config, weights = stories260k
+    path = tmp_path / "v2.bin"
+    write_checkpoint(path, config, weights, version=2)
+    norms = (2 * config.n_layers + 1) * config.dim
+    first_scale = 256 + 4 * norms + config.vocab_size * config.dim
+    raw = bytearray(path.read_bytes())
+    raw[first_scale:first_scale + 4] = struct.pack("<f", scale)
+    path.write_bytes(bytes(raw))
+    done = run(f"--checkpoint={path}", "--steps=4", "--temperature=0")
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"jllama: error: checkpoint {path}: version-2 tensor "
+                               "token_embedding_table: group scale [0] is "), lines[0]
+
+
 def test_unknown_version_is_named(tmp_path):
     path = tmp_path / "v3.bin"
     path.write_bytes(_spec_header(SMALL, 3) + bytes(4096))
