@@ -58,3 +58,21 @@ def test_every_split_of_a_text_gives_the_same_output():
 def test_empty_stop_refused():
     with pytest.raises(ValueError, match="empty"):
         StopMatcher(["a", ""])
+
+
+def test_matched_names_the_stop_string_found():
+    """`matched` is the stop string the text ended at (the earliest; at one place, the first
+    given); None while nothing stopped (Anthropic's stop_sequence reports it)."""
+    matcher = StopMatcher(["cd", "b"])
+    assert matcher.push("ab") == "a" and matcher.matched == "b"
+    for stops, pieces, want in [(["xyz", "yz1"], ["xy", "z1"], "xyz"),
+                                (["END", "\n"], ["one\ntwo END"], "\n"),
+                                (["bc", "b"], ["abc"], "bc")]:
+        matcher = StopMatcher(stops)
+        for piece in pieces:
+            matcher.push(piece)
+        assert matcher.matched == want, (stops, pieces)
+    matcher = StopMatcher(["zz"])
+    matcher.push("abc")
+    matcher.flush()
+    assert matcher.matched is None and not matcher.stopped

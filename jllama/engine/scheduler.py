@@ -106,6 +106,11 @@ class Stream:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string the text ended at, or None (`Completion.stop_string`)."""
+        return None if self._completion is None else self._completion.stop_string
+
     def cancel(self) -> None:
         """Stop at the next step (a waiting request never starts); frees its slot then."""
         self._cancelled = True

@@ -19,6 +19,7 @@ class StopMatcher:
 
     Attributes:
       stopped: True once a stop string was found; later pushes release nothing.
+      matched: the stop string found (of those starting earliest, the first given), or None.
 
     Raises:
       ValueError: an empty stop string.
@@ -38,6 +39,7 @@ class StopMatcher:
         self._stops = tuple(dict.fromkeys(stops))
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def push(self, text: str) -> str:
         """Add `text`; return what can be released now (may be "").
@@ -47,11 +49,11 @@ class StopMatcher:
         if self.stopped:
             return ""
         pending = self._pending + text
-        first = min(
-            (i for i in (pending.find(s) for s in self._stops) if i >= 0), default=-1
-        )
+        found = [(i, k) for k, i in enumerate(pending.find(s) for s in self._stops) if i >= 0]
+        first = min(found, default=(-1, -1))[0]
         if first >= 0:
             self.stopped = True
+            self.matched = self._stops[min(found)[1]]
             self._pending = ""
             return pending[:first]
         held = self._held_back(pending)

@@ -105,6 +105,11 @@ class Completion:
         self._each_token = each_token
         self.finish_reason: str | None = None
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string the text ended at (finish_reason "stop" by a string), else None."""
+        return self._matcher.matched
+
     def __iter__(self) -> Iterator[Text]:
         decoder = self._tokenizer.stream_decoder()
         matcher = self._matcher

@@ -41,12 +41,14 @@ __all__ = ["Done", "Engine", "Failed", "Job", "Text", "TokenLogprob", "enqueue"]
 class Done:
     """The end: finish_reason "stop" (end-of-generation token or stop string) or "length"
     (max_tokens or the context); token counts for `usage`; cached_tokens: prompt tokens reused
-    from the cache (a slot's, or the one-at-a-time worker's), None: not known."""
+    from the cache (a slot's, or the one-at-a-time worker's), None: not known; stop_string: the
+    stop string the text ended at (Anthropic's stop_sequence), None: none did."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None
+    stop_string: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,4 +257,4 @@ class Engine:
         if completion.finish_reason == "cancelled":
             return
         job._emit(Done(completion.finish_reason, len(ids), len(generation.generated_ids),
-                       cached_tokens=reused))
+                       cached_tokens=reused, stop_string=completion.stop_string))

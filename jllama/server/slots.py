@@ -119,4 +119,4 @@ class SlotEngine:
             job._emit(Failed(error))
             return
         job._emit(Done(stream.finish_reason, len(job.prompt_ids), len(stream.generated_ids),
-                       cached_tokens=stream.cached_tokens))
+                       cached_tokens=stream.cached_tokens, stop_string=stream.stop_string))
