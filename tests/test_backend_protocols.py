@@ -28,7 +28,7 @@ PROTOCOLS = (Backend, Prefill, PrefillLogits, DeviceLoop, CompilePlanning, Descr
 
 
 class CountingBackend:
-    """The README's example of adding a backend: `name`, `prepare` and `forward` only."""
+    """docs/python.md's example of adding a backend: `name`, `prepare` and `forward` only."""
 
     def __init__(self, inner):
         self.inner, self.name, self.calls = inner, f"counting-{inner.name}", 0

@@ -4,11 +4,11 @@ Q4_K_M and Q4_1 files: tests/data/llama32_tiny/llamacpp_f16_cache.json (its `abo
 was made).
 
 On SmolLM2 the same comparison parts after a few tokens on most prompts, where the top-2
-margins are 0.03-0.26 (README, "KV cache types"): 8-bit activations make a model's logits move by
-tenths at any float difference upstream, so two programs agree token for token only with the
-same arithmetic bit for bit. llama.cpp itself parts from its own default at those places when
-its cache is f32 (5 of 6 prompts, tokens 5-19). This fixture's model was trained on its text,
-so its continuations hold margins that the cache's rounding does not reach.
+margins are 0.03-0.26 (docs/formats.md, "KV cache types"): 8-bit activations make a model's
+logits move by tenths at any float difference upstream, so two programs agree token for token
+only with the same arithmetic bit for bit. llama.cpp itself parts from its own default at those
+places when its cache is f32 (5 of 6 prompts, tokens 5-19). This fixture's model was trained on
+its text, so its continuations hold margins that the cache's rounding does not reach.
 """
 
 from __future__ import annotations

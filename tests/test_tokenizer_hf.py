@@ -120,6 +120,7 @@ PROPERTY = settings(
 def corpus() -> list[str]:
     texts = [p.read_text(encoding="utf-8") for p in sorted((REPO / "jllama").rglob("*.py"))]
     texts.append((REPO / "README.md").read_text(encoding="utf-8"))
+    texts += [p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md"))]
     texts += [
         "日本語のテキストです。你好，世界！Привет, мир. naïve café Ünïcödé 🎉🦙👩‍👩‍👧",
         "I'M here, they'll see, we'VE won, don't stop. 1234567 3.14159",
