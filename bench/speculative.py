@@ -1,5 +1,6 @@
-"""Speculative decoding's speed (issue 35): greedy decode tok/s with `--draft=ngram` against
-the same generation without drafts, alternated round by round in one process; JSON lines.
+"""Speculative decoding's speed (issue 35): greedy decode tok/s with a drafter (`--draft`:
+ngram by default, self:q4, a checkpoint) against the same generation without drafts,
+alternated round by round in one process; JSON lines.
 
 Tasks (a chat model through its own template, greedy):
 
@@ -18,6 +19,7 @@ at once, alternated; completion tokens per second of wall time, and whether the 
 
     .venv/bin/python bench/speculative.py                        # SmolLM2 (jllama fetch smollm2)
     .venv/bin/python bench/speculative.py --checkpoint=F.gguf --rounds=5 --out=results.jsonl
+    .venv/bin/python bench/speculative.py --dtype=float32 --draft=self:q4 --tasks=chat
     .venv/bin/python bench/speculative.py --server
 """
 
@@ -74,6 +76,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max_tokens", type=int, default=400)
     p.add_argument("--draft_tokens", type=int, default=15)
+    p.add_argument("--draft", default="ngram", help="ngram, self:q4, self:int8 or a checkpoint")
+    p.add_argument("--dtype", default=None, help="the target's weights: float32, ... (as stored)")
     p.add_argument("--tasks", default="edit,chat")
     p.add_argument("--server", action="store_true")
     p.add_argument("--out", type=Path)
@@ -87,32 +91,34 @@ def main() -> int:
 
     emit({"metric": "meta", "machine": machine(), "args": {
         k: str(v) for k, v in vars(args).items()}})
-    model = open_model(args.checkpoint)
+    model = open_model(args.checkpoint, dtype=args.dtype)
     if args.server:
         served(model, args, emit)
         return finish(args, lines)
     template = ChatTemplate(model.chat_template)
-    sessions = {draft: Session.prepare(model, "jax", draft=draft, draft_tokens=args.draft_tokens)
-                for draft in ("none", "ngram")}
+    sessions = {"none": Session.prepare(model, "jax"),
+                "draft": Session.prepare(model, "jax", draft=args.draft,
+                                         draft_tokens=args.draft_tokens)}
     for task in args.tasks.split(","):
         for i, question in enumerate(TASKS[task]):
             prompt = template.render([{"role": "user", "content": question}])
             for session in sessions.values():  # compile outside the timed rounds
                 run(session, prompt, args.max_tokens)
-            rates = {"none": [], "ngram": []}
+            rates = {"none": [], "draft": []}
             same, drafted, accepted, tokens = True, 0, 0, 0
             for _ in range(args.rounds):  # alternated
                 plain, stats = run(sessions["none"], prompt, args.max_tokens)
                 rates["none"].append(stats.decode_tok_s)
-                spec, stats = run(sessions["ngram"], prompt, args.max_tokens)
-                rates["ngram"].append(stats.decode_tok_s)
+                spec, stats = run(sessions["draft"], prompt, args.max_tokens)
+                rates["draft"].append(stats.decode_tok_s)
                 same &= spec == plain
                 drafted, accepted = stats.drafted_tokens, stats.accepted_tokens
                 tokens = stats.generated_tokens
-            emit({"metric": "speculative", "task": task, "prompt": i,
+            emit({"metric": "speculative", "task": task, "prompt": i, "draft": args.draft,
+                  "dtype": args.dtype or "as stored",
                   "generated_tokens": tokens, "plain_tok_s": rates["none"],
-                  "ngram_tok_s": rates["ngram"],
-                  "speedup": max(rates["ngram"]) / max(rates["none"]),
+                  "draft_tok_s": rates["draft"],
+                  "speedup": max(rates["draft"]) / max(rates["none"]),
                   "drafted": drafted, "accepted": accepted, "same_ids": same})
     return finish(args, lines)
 

@@ -316,3 +316,38 @@ def test_sampled_generations_with_drafts_run_and_count_them():
     again = session.generate(session.encode(PROMPT), Sampler(temperature=0.5, seed=3),
                              steps=200)
     assert [t.id for t in again] == ids  # seeded: reproducible
+
+
+# ------------------------------------------------------------------------------------------
+# A draft model: the target's own weights at a narrower type, or another checkpoint.
+
+@pytest.mark.parametrize("draft", ["self:int8", "self:q4"])
+def test_a_draft_model_gives_the_plain_tokens(draft):
+    model = open_model(None)
+    plain, _ = _greedy(model, "jax", "none", 200)
+    drafted, decoder = _greedy(model, "jax", draft, 200)
+    assert drafted == plain
+    assert decoder.stats.accepted_tokens > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused_in_one_line(smollm2_gguf):
+    from jllama.errors import JllamaError
+
+    with pytest.raises(JllamaError) as info:
+        Session.prepare(open_model(None), "jax", draft=str(smollm2_gguf))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"--draft={smollm2_gguf}: ")
+    assert "49152 tokens" in message and "512" in message
+
+
+def test_the_command_decodes_with_a_draft_model():
+    done = subprocess.run(
+        [sys.executable, "-m", "jllama", "--temperature=0", "--steps=120", "--draft=self:int8",
+         f"--prompt={PROMPT}", "--output_format=json"], capture_output=True, text=True,
+        timeout=300)
+    plain = subprocess.run(
+        [sys.executable, "-m", "jllama", "--temperature=0", "--steps=120", f"--prompt={PROMPT}",
+         "--output_format=json"], capture_output=True, text=True, timeout=300)
+    got, want = json.loads(done.stdout), json.loads(plain.stdout)
+    assert got["generated_ids"] == want["generated_ids"]
+    assert got["accepted_tokens"] > 0 and want["drafted_tokens"] == 0

@@ -121,16 +121,15 @@ flags.DEFINE_enum(
     "seed sampling only); auto = loop where it can sample (run.c's sampler, a tokenizer that "
     "covers every logit), else graph. See README for the speed of each.",
 )
-flags.DEFINE_enum(
+flags.DEFINE_string(
     "draft",
     "none",
-    ["none", "ngram"],
-    "Speculative decoding of greedy generations (--temperature=0): ngram = draft the tokens "
-    "that followed the latest earlier occurrence of the last few tokens (prompt lookup) and "
-    "check up to --draft_tokens of them in one call; the output is exactly what decoding "
-    "without drafts gives (each checked position's logits have its bits), only faster where "
-    "the reply repeats the prompt (editing, code, quoting). Sampled generations decode "
-    "without drafts.",
+    "Speculative decoding: ngram = draft the tokens that followed the latest earlier "
+    "occurrence of the last few tokens (prompt lookup); a checkpoint (path or known name) = a "
+    "smaller model with the same tokenizer drafts greedily; self:q4 / self:int8 = the model's "
+    "own weights at that type draft. Up to --draft_tokens drafted tokens are checked in one "
+    "call; greedy output is exactly what decoding without drafts gives (each checked "
+    "position's logits have its bits), sampled output has exactly its distribution.",
 )
 flags.DEFINE_integer(
     "draft_tokens",

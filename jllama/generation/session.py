@@ -74,18 +74,24 @@ class Session(SlotsMixin):
         samples (the server): auto then never picks the device loop.
       compile_ahead: compile each generation's programs before it starts (`compile_for`);
         False leaves them to compile where first run.
+      draft: speculative decoding (`jllama.generation.speculative`): "none", "ngram", or a
+        `jllama.generation.draft_model.DraftModel` (`Session.prepare` also takes a checkpoint
+        or self:q4 / self:int8 here and loads it); generations with run.c's sampler, no
+        grammar and no log-probs decode with drafts, to the same tokens (greedy) or the same
+        distribution (sampled).
+      draft_tokens: the longest draft (1 .. 15).
 
     Raises:
-      ValueError: an unknown decode or prefill mode.
+      ValueError: an unknown decode or prefill mode, or drafter.
     """
 
     def __init__(self, model, backend: Backend, *, decode: str = "auto",
                  prefill: str = "chunked", device_sampling: bool = True,
-                 compile_ahead: bool = True, draft: str = "none", draft_tokens: int = 8):
+                 compile_ahead: bool = True, draft="none", draft_tokens: int = 8):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode={decode!r}; known: {', '.join(DECODE_MODES)}")
-        if draft not in DRAFTERS:
-            raise ValueError(f"draft={draft!r}; known: {', '.join(DRAFTERS)}")
+        if isinstance(draft, str) and draft not in DRAFTERS:
+            raise ValueError(f"draft={draft!r}; known: {', '.join(DRAFTERS)}, or a DraftModel")
         self.draft, self.draft_tokens = draft, draft_tokens
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r}; known: {', '.join(PREFILL_MODES)}")
@@ -108,11 +114,19 @@ class Session(SlotsMixin):
         """The backend (a name or an unprepared one) prepared for `model` by
         `jllama.backends.prepared_backend` (its arguments and errors: decode, matvec, devices,
         cache_type_k, cache_type_v, say), then the session (**options: prefill,
-        device_sampling, compile_ahead); `say` also gets the backend's notes."""
+        device_sampling, compile_ahead, draft, draft_tokens; a draft that names a checkpoint
+        or self:q4 / self:int8 is loaded and prepared here, `open_draft`); `say` also gets the
+        backend's notes."""
         started = time.perf_counter()
+        backend_name = backend if isinstance(backend, str) else backend.name
         backend = prepared_backend(model, backend, decode=decode, matvec=matvec,
                                    devices=devices, cache_type_k=cache_type_k,
                                    cache_type_v=cache_type_v, say=say)
+        draft = options.get("draft", "none")
+        if isinstance(draft, str) and draft not in DRAFTERS:  # a draft model: load it too
+            from jllama.generation.draft_model import open_draft
+
+            options["draft"] = open_draft(draft, model, backend_name, matvec=matvec)
         session = cls(model, backend, decode=decode, **options)
         # prepare's time less its warm-up (the compile) is placing the weights on the device.
         session.place_seconds = time.perf_counter() - started - session.compile_seconds

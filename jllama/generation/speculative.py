@@ -103,17 +103,22 @@ class NgramDrafter:
         return []
 
 
-def make_drafter(name: str):
-    """The drafter `--draft=name` asks for (None for "none").
+def make_drafter(draft):
+    """A new drafter for one generation: `draft` is "none" (None), "ngram" or a
+    `jllama.generation.draft_model.DraftModel` (a `ModelDrafter` on a KV cache of its own).
 
     Raises:
       ValueError: an unknown name.
     """
-    if name == "none":
+    from jllama.generation.draft_model import DraftModel, ModelDrafter
+
+    if isinstance(draft, DraftModel):
+        return ModelDrafter(draft)
+    if draft == "none":
         return None
-    if name == "ngram":
+    if draft == "ngram":
         return NgramDrafter()
-    raise ValueError(f"draft={name!r}; known: {', '.join(DRAFTERS)}")
+    raise ValueError(f"draft={draft!r}; known: {', '.join(DRAFTERS)}, or a draft model")
 
 
 def runc_sampled(sampler) -> bool:
