@@ -110,7 +110,7 @@ flags.DEFINE_enum(
     "Type to hold the weight matrices in: auto = as stored (a GGUF's quantized blocks as they "
     "are, float32 for llama2.c files, the stored type for Hugging Face folders); bfloat16 halves "
     "f32's memory; int8 quarters it (one float32 scale per row; a GGUF's blocks become Q8_0); "
-    "q4 is llama.cpp's Q4_0 blocks, about an eighth (see README for speed and accuracy).",
+    "q4 is llama.cpp's Q4_0 blocks, about an eighth (docs/formats.md: speed and accuracy).",
 )
 flags.DEFINE_enum(
     "decode",
@@ -119,7 +119,7 @@ flags.DEFINE_enum(
     "jax backend: graph = three compiled programs per layer; fused = one program for all layers "
     "per token; loop = 16 tokens per program call, sampled on the device (temperature/top_p/"
     "seed sampling only); auto = loop where it can sample (run.c's sampler, a tokenizer that "
-    "covers every logit), else graph. See README for the speed of each.",
+    "covers every logit), else graph. docs/speed.md gives the speed of each.",
 )
 flags.DEFINE_string(
     "draft",
