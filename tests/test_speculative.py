@@ -351,3 +351,28 @@ def test_the_command_decodes_with_a_draft_model():
     got, want = json.loads(done.stdout), json.loads(plain.stdout)
     assert got["generated_ids"] == want["generated_ids"]
     assert got["accepted_tokens"] > 0 and want["drafted_tokens"] == 0
+
+
+def test_the_server_drafts_a_lone_request_and_counts_it_in_metrics():
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jllama.backends import prepared_backend
+    from jllama.server import ServerThread
+
+    model = open_model(None)
+    body = {"model": "m", "prompt": PROMPT, "temperature": 0, "max_tokens": 120}
+    texts, counts = {}, {}
+    for draft in ("none", "ngram"):
+        with ServerThread(model, prepared_backend(model, "jax"), "m", parallel=2,
+                          draft=draft) as server:
+            reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+            texts[draft] = reply["choices"][0]["text"]
+            metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        counts[draft] = {s.name: s.value for f in text_string_to_metric_families(metrics)
+                         for s in f.samples if s.name.startswith("jllama_spec_decode")}
+    assert texts["ngram"] == texts["none"] and len(texts["none"]) > 100
+    assert counts["none"]["jllama_spec_decode_draft_tokens_total"] == 0
+    drafted = counts["ngram"]["jllama_spec_decode_draft_tokens_total"]
+    accepted = counts["ngram"]["jllama_spec_decode_accepted_tokens_total"]
+    assert 0 < accepted <= drafted

@@ -103,6 +103,11 @@ class Stream:
         return list(self._completion.generation.generated_ids)
 
     @property
+    def stats(self):
+        """The generation's `GenerationStats` (once started), else None."""
+        return None if self._completion is None else self._completion.generation.stats
+
+    @property
     def done(self) -> bool:
         return self.finish_reason is not None
 

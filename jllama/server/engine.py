@@ -42,13 +42,16 @@ class Done:
     """The end: finish_reason "stop" (end-of-generation token or stop string) or "length"
     (max_tokens or the context); token counts for `usage`; cached_tokens: prompt tokens reused
     from the cache (a slot's, or the one-at-a-time worker's), None: not known; stop_string: the
-    stop string the text ended at (Anthropic's stop_sequence), None: none did."""
+    stop string the text ended at (Anthropic's stop_sequence), None: none did; drafted_tokens,
+    accepted_tokens: speculative decoding's (`--draft`), 0 without."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None
     stop_string: str | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +125,8 @@ class Job:
                 return
             self._counted = True
         self.metrics.observe(finish_reason or done.finish_reason, done.prompt_tokens,
-                             done.completion_tokens, done.cached_tokens)
+                             done.completion_tokens, done.cached_tokens,
+                             done.drafted_tokens, done.accepted_tokens)
 
     def _emit(self, event) -> None:
         if isinstance(event, Done):
@@ -257,4 +261,6 @@ class Engine:
         if completion.finish_reason == "cancelled":
             return
         job._emit(Done(completion.finish_reason, len(ids), len(generation.generated_ids),
-                       cached_tokens=reused, stop_string=completion.stop_string))
+                       cached_tokens=reused, stop_string=completion.stop_string,
+                       drafted_tokens=generation.stats.drafted_tokens,
+                       accepted_tokens=generation.stats.accepted_tokens))

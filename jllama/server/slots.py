@@ -118,5 +118,8 @@ class SlotEngine:
                                  type="server_error")
             job._emit(Failed(error))
             return
+        stats = stream.stats
         job._emit(Done(stream.finish_reason, len(job.prompt_ids), len(stream.generated_ids),
-                       cached_tokens=stream.cached_tokens, stop_string=stream.stop_string))
+                       cached_tokens=stream.cached_tokens, stop_string=stream.stop_string,
+                       drafted_tokens=stats.drafted_tokens if stats else 0,
+                       accepted_tokens=stats.accepted_tokens if stats else 0))
