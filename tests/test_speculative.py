@@ -217,22 +217,61 @@ EDIT = ("Repeat the following passage exactly, but change 'keeper' to 'guardian'
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_with_ngram_drafts_is_plain_greedy(smollm2_gguf):
-    """The shipped Q4_1 SmolLM2 (GGML blocks through the x8 kernels), asked to repeat a
-    passage with one change: most of the reply is drafted and accepted."""
+@pytest.mark.parametrize("dtype, draft, decode", [
+    (None, "ngram", "auto"), (None, "ngram", "graph"), ("int8", "ngram", "auto"),
+    ("float32", "self:q4", "auto"), (None, "self:int8", "graph")])
+def test_smollm2_greedy_with_drafts_is_plain_greedy(smollm2_gguf, dtype, draft, decode):
+    """The shipped Q4_1 SmolLM2 (GGML blocks through the x8 kernels), as Q8_0 blocks
+    (--dtype=int8) and dequantized to float32, asked to repeat a passage with one change: most
+    of the reply is drafted and accepted, and the ids are plain decoding's."""
     from jllama.chat import ChatTemplate
 
-    model = open_model(smollm2_gguf)
+    model = open_model(smollm2_gguf, dtype=dtype)
     prompt = ChatTemplate(model.chat_template).render([{"role": "user", "content": EDIT}])
     runs = {}
-    for draft in ("none", "ngram"):
-        session = Session.prepare(model, "jax", draft=draft, draft_tokens=15)
+    for drafter in ("none", draft):
+        session = Session.prepare(model, "jax", decode=decode, draft=drafter, draft_tokens=15)
         generation = session.generate(session.encode(prompt, parse_special=True),
                                       Sampler(temperature=0.0), max_tokens=96)
-        runs[draft] = ([t.id for t in generation], generation.stats)
-    (plain, _), (drafted, stats) = runs["none"], runs["ngram"]
+        runs[drafter] = ([t.id for t in generation], generation.stats)
+    (plain, _), (drafted, stats) = runs["none"], runs[draft]
     assert len(plain) > 60 and drafted == plain
     assert stats.accepted_tokens > 20
+
+
+@pytest.mark.slow
+def test_a_random_stories110m_shape_model_with_drafts_is_plain_greedy():
+    """llama2.c's stories110M shape (dim 768, 12 layers, 12 heads, vocab 32000), random
+    weights: its greedy tokens repeat little, so the n-gram drafter is mostly rejected and
+    the int8 self-draft mostly accepted; plain decoding's ids either way."""
+    from jllama.model.config import ModelConfig
+    from jllama.model.loading import Model
+
+    config = ModelConfig(dim=768, hidden_dim=2048, n_layers=12, n_heads=12, n_kv_heads=12,
+                         vocab_size=32000, seq_len=1024)
+    weights = random_weights(config, seed=7, scale=0.05)
+    prompt = [1] + [int(t) for t in np.random.default_rng(3).integers(3, 32000, 40)] * 2
+    ids = {}
+    backend = make_backend("jax")
+    backend.prepare(config, weights)
+    for draft in ("none", "ngram"):
+        backend.use_caches(backend.new_caches())
+        drafter = NgramDrafter() if draft == "ngram" else None
+        decoder = SpeculativeDecoder(backend.verify, drafter, prompt, [], config.seq_len,
+                                     15) if drafter else None
+        out, token, pos = [], prompt[-1], len(prompt) - 1
+        backend.prefill(prompt[:-1], 0)
+        while len(out) < 96:
+            if decoder is None:
+                nxt = [int(np.argmax(backend.forward(token, pos)))]
+            else:
+                nxt, _ = decoder(token, pos, 96 - len(out))
+            out += nxt
+            token, pos = nxt[-1], pos + len(nxt)
+        ids[draft] = out[:96]
+        if decoder is not None:
+            assert decoder.stats.drafted_tokens > 0
+    assert ids["ngram"] == ids["none"]
 
 
 # ------------------------------------------------------------------------------------------
