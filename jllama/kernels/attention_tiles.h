@@ -219,20 +219,9 @@ inline void exp_span(float* s, int64_t n, float* top, float* sum) {
 // up to 4 heads by 4 registers of columns, whose sums stay in registers for the k rows: the
 // multiply-adds of a sum depend on each other, so a block keeps up to 16 chains going at once.
 #if JLLAMA_AVX512 || JLLAMA_AVX2
-#if JLLAMA_AVX512
-using Vec = __m512;
-constexpr int kVec = 16;
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vfmadd(float a, Vec b, Vec c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
-#else
-using Vec = __m256;
-constexpr int kVec = 8;
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vfmadd(float a, Vec b, Vec c) { return _mm256_fmadd_ps(_mm256_set1_ps(a), b, c); }
-#endif
-// AVX2 has 16 registers: 4 heads by 2 registers of columns.
+// Registers of kVec floats (simd.h's `Vec`). AVX2 has 16 registers: 4 heads by 2 registers of
+// columns.
+constexpr int kVec = kVectorWidth;
 constexpr int kBlockHeads = 4, kBlockCols = kVec == 16 ? 4 : 2;
 
 template <int M, int C>
@@ -244,7 +233,7 @@ void accumulate_block(const float* p, int64_t k, const float* rows, int64_t hp, 
   for (int64_t j = 0; j < k; ++j)
     for (int c = 0; c < C; ++c) {
       const Vec v = vload(rows + j * hp + c * kVec);
-      for (int m = 0; m < M; ++m) acc[m][c] = vfmadd(p[m * kSpan + j], v, acc[m][c]);
+      for (int m = 0; m < M; ++m) acc[m][c] = fmadd(splat(v, p[m * kSpan + j]), v, acc[m][c]);
     }
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < C; ++c) vstore(out + m * out_stride + c * kVec, acc[m][c]);

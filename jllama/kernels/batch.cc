@@ -24,6 +24,62 @@
 namespace jllama {
 namespace {
 
+#if JLLAMA_AVX512 || JLLAMA_AVX2
+// `dot` (simd.h) of R rows w, w + n, .. with V vectors x, x + n, .. at once: out[v * out_stride +
+// k] = dot(w + k n, x + v n, n). `dot`'s register r (P = kLanes / kVectorWidth of them: 4 with
+// AVX-512, 8 with AVX2) sums lanes kVectorWidth r .. of every 64-lane block on its own, so the
+// registers are taken one after another (a pass over the row per register), each pass holding R
+// * V sums, the R rows' weights and one vector's in registers: R + V loads per R * V
+// multiply-adds, where V separate dots load twice per multiply-add (dot_many: 1 + 1 / V). Each
+// sum takes `dot`'s multiply-adds in `dot`'s order (the row's last partial register zero-padded
+// as `dot` pads it) and ends in `dot`'s tree (`finish`), so it has `dot`'s bits.
+template <typename T, int R, int V, bool Stream>
+inline void dot_rows(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
+  constexpr int P = kLanes / kVectorWidth;
+  Vec sums[R][V][P];
+  const int64_t blocks = n / kLanes * kLanes;
+  for (int lane = 0; lane < P; ++lane) {
+    Vec a[R][V];
+#pragma GCC unroll 8
+    for (int k = 0; k < R; ++k)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) a[k][v] = Vec{};
+    for (int64_t i = 0; i < blocks; i += kLanes) {
+      if (Stream && lane == 0)
+        for (int k = 0; k < R; ++k) stream_ahead(w + k * n + i);
+      const int64_t at = i + kVectorWidth * lane;
+      Vec wv[R];
+#pragma GCC unroll 8
+      for (int k = 0; k < R; ++k) wv[k] = vwiden(w + k * n + at);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        Vec xv = vload(x + v * n + at);
+        // In a register for the R rows: left alone the compiler folds the load into each
+        // row's multiply-add, R loads where one does (AVX2: a tenth slower at R = 3, measured).
+        in_register(xv);
+#pragma GCC unroll 8
+        for (int k = 0; k < R; ++k) a[k][v] = fmadd(wv[k], xv, a[k][v]);
+      }
+    }
+    // The last partial block, as `dot` takes it: register `lane` gets what is left of its lanes.
+    const int64_t at = blocks + kVectorWidth * lane, left = n - at;
+    if (left > 0) {
+      const First part = first(left);
+      Vec wv[R];
+      for (int k = 0; k < R; ++k) wv[k] = vwiden(w + k * n + at, part);
+      for (int v = 0; v < V; ++v) {
+        const Vec xv = vload(x + v * n + at, part);
+        for (int k = 0; k < R; ++k) a[k][v] = fmadd(wv[k], xv, a[k][v]);
+      }
+    }
+    for (int k = 0; k < R; ++k)
+      for (int v = 0; v < V; ++v) sums[k][v][lane] = a[k][v];
+  }
+  for (int k = 0; k < R; ++k)
+    for (int v = 0; v < V; ++v) out[v * out_stride + k] = finish(sums[k][v]);
+}
+#endif
+
 #if JLLAMA_AVX512
 // `dot` (simd.h, AVX-512) of one row w with V vectors x, x + n, ..., x + (V - 1) n at once: each
 // vector's four accumulators take exactly `dot`'s multiply-adds in `dot`'s order and end in its
@@ -31,145 +87,26 @@ namespace {
 // vectors (half the loads of V separate dots, and V independent chains).
 template <typename T, int V, bool Stream>
 inline void dot_many(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
-  __m512 a[V][4];
+  Vec a[V][4];
   for (int v = 0; v < V; ++v)
-    for (int k = 0; k < 4; ++k) a[v][k] = _mm512_setzero_ps();
+    for (int k = 0; k < 4; ++k) a[v][k] = Vec{};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     if (Stream) stream_ahead(w + i);
     for (int k = 0; k < 4; ++k) {
-      const __m512 wv = widen16(w + i + 16 * k);
-      for (int v = 0; v < V; ++v)
-        a[v][k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + v * n + i + 16 * k), a[v][k]);
+      const Vec wv = vwiden(w + i + 16 * k);
+      for (int v = 0; v < V; ++v) a[v][k] = fmadd(wv, vload(x + v * n + i + 16 * k), a[v][k]);
     }
   }
   for (int r = 0; i < n; ++r, i += 16) {
-    __mmask16 keep = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 wv = widen16(w + i, keep);
-    for (int v = 0; v < V; ++v)
-      a[v][r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(keep, x + v * n + i), a[v][r]);
+    const First keep = first(n - i);
+    const Vec wv = vwiden(w + i, keep);
+    for (int v = 0; v < V; ++v) a[v][r] = fmadd(wv, vload(x + v * n + i, keep), a[v][r]);
   }
-  for (int v = 0; v < V; ++v)
-    out[v * out_stride] =
-        halve16(_mm512_add_ps(_mm512_add_ps(a[v][0], a[v][1]), _mm512_add_ps(a[v][2], a[v][3])));
-}
-
-// `dot` (AVX-512) of R rows w, w + n, .. with V vectors x, x + n, .. at once: out[v *
-// out_stride + k] = dot(w + k n, x + v n, n). As the AVX2 one below: `dot`'s four registers
-// one after another (a pass over the row per register, lanes 16r .. 16r + 15 of every block),
-// R * V sums, R rows' weights and one vector's in registers, R + V loads per R * V
-// multiply-adds (dot_many loads 1 + 1 / V per multiply-add). Same bits as `dot`.
-template <typename T, int R, int V, bool Stream>
-inline void dot_rows(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
-  __m512 sums[R][V][4];
-  const int64_t blocks = n / kLanes * kLanes;
-  for (int lane = 0; lane < 4; ++lane) {
-    __m512 a[R][V];
-#pragma GCC unroll 8
-    for (int k = 0; k < R; ++k)
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) a[k][v] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < blocks; i += kLanes) {
-      if (Stream && lane == 0)
-        for (int k = 0; k < R; ++k) stream_ahead(w + k * n + i);
-      const int64_t at = i + 16 * lane;
-      __m512 wv[R];
-#pragma GCC unroll 8
-      for (int k = 0; k < R; ++k) wv[k] = widen16(w + k * n + at);
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) {
-        __m512 xv = _mm512_loadu_ps(x + v * n + at);
-        asm("" : "+v"(xv));  // one load for the R rows (see the AVX2 dot_rows)
-#pragma GCC unroll 8
-        for (int k = 0; k < R; ++k) a[k][v] = _mm512_fmadd_ps(wv[k], xv, a[k][v]);
-      }
-    }
-    // The last partial block, as `dot` takes it: register r gets its 16 lanes masked.
-    const int64_t at = blocks + 16 * lane, left = n - at;
-    if (left > 0) {
-      const __mmask16 keep =
-          left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-      __m512 wv[R];
-      for (int k = 0; k < R; ++k) wv[k] = widen16(w + k * n + at, keep);
-      for (int v = 0; v < V; ++v) {
-        const __m512 xv = _mm512_maskz_loadu_ps(keep, x + v * n + at);
-        for (int k = 0; k < R; ++k) a[k][v] = _mm512_fmadd_ps(wv[k], xv, a[k][v]);
-      }
-    }
-    for (int k = 0; k < R; ++k)
-      for (int v = 0; v < V; ++v) sums[k][v][lane] = a[k][v];
-  }
-  for (int k = 0; k < R; ++k)
-    for (int v = 0; v < V; ++v) {
-      const __m512* s = sums[k][v];
-      out[v * out_stride + k] =
-          halve16(_mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3])));
-    }
+  for (int v = 0; v < V; ++v) out[v * out_stride] = finish(a[v]);
 }
 #elif JLLAMA_AVX2
-// `dot` (simd.h, AVX2) of R rows w, w + n, .. with V vectors x, x + n, .. at once: out[v *
-// out_stride + k] = dot(w + k n, x + v n, n). `dot`'s register a<r> sums lanes 8r .. 8r + 7 of
-// every 64-lane block on its own, so the eight registers are taken one after another (a pass
-// over the row per register), each pass holding R * V sums, the R rows' weights and one
-// vector's in registers: R + V loads per R * V multiply-adds, where V separate dots load twice
-// per multiply-add. Each sum takes `dot`'s multiply-adds in `dot`'s order (the row's last
-// partial register zero-padded as `dot` pads it) and ends in `dot`'s tree, so it has `dot`'s
-// bits.
-template <typename T, int R, int V, bool Stream>
-inline void dot_rows(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
-  __m256 sums[R][V][8];
-  const int64_t blocks = n / kLanes * kLanes;
-  for (int lane = 0; lane < 8; ++lane) {
-    __m256 a[R][V];
-#pragma GCC unroll 8
-    for (int k = 0; k < R; ++k)
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) a[k][v] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < blocks; i += kLanes) {
-      if (Stream && lane == 0)
-        for (int k = 0; k < R; ++k) stream_ahead(w + k * n + i);
-      const int64_t at = i + 8 * lane;
-      __m256 wv[R];
-#pragma GCC unroll 8
-      for (int k = 0; k < R; ++k) wv[k] = widen8(w + k * n + at);
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) {
-        __m256 xv = _mm256_loadu_ps(x + v * n + at);
-        // In a register for the R rows: left alone the compiler folds the load into each
-        // row's multiply-add, R loads where one does (a tenth slower at R = 3, measured).
-        asm("" : "+x"(xv));
-#pragma GCC unroll 8
-        for (int k = 0; k < R; ++k) a[k][v] = _mm256_fmadd_ps(wv[k], xv, a[k][v]);
-      }
-    }
-    // The last partial block, as `dot` takes it: whole registers, then one zero-padded.
-    const int64_t at = blocks + 8 * lane, left = n - at;
-    if (left > 0) {
-      __m256 wv[R];
-      for (int k = 0; k < R; ++k) {
-        T wt[8] = {};
-        std::memcpy(wt, w + k * n + at, sizeof(T) * std::min<int64_t>(left, 8));
-        wv[k] = widen8(wt);
-      }
-      for (int v = 0; v < V; ++v) {
-        float xt[8] = {};
-        std::memcpy(xt, x + v * n + at, sizeof(float) * std::min<int64_t>(left, 8));
-        const __m256 xv = _mm256_loadu_ps(xt);
-        for (int k = 0; k < R; ++k) a[k][v] = _mm256_fmadd_ps(wv[k], xv, a[k][v]);
-      }
-    }
-    for (int k = 0; k < R; ++k)
-      for (int v = 0; v < V; ++v) sums[k][v][lane] = a[k][v];
-  }
-  for (int k = 0; k < R; ++k)
-    for (int v = 0; v < V; ++v) {
-      const __m256* s = sums[k][v];
-      out[v * out_stride + k] =
-          halve16(_mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[4], s[6])),
-                  _mm256_add_ps(_mm256_add_ps(s[1], s[3]), _mm256_add_ps(s[5], s[7])));
-    }
-}
-
+// AVX2: `dot_rows` of the one row.
 template <typename T, int V, bool Stream>
 inline void dot_many(const T* w, const float* x, int64_t n, float* out, int64_t out_stride) {
   dot_rows<T, 1, V, Stream>(w, x, n, out, out_stride);

@@ -13,6 +13,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -98,6 +99,31 @@ inline float halve16(__m512 v) {
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+
+// `Vec`, this build's register of kVectorWidth floats, and what the loops written once for both
+// widths (batch.cc's `dot_rows`, attention_tiles.h's `accumulate`) do with it: vwiden(w), a
+// register of the weights at w as float32 (widen16 / widen8); vload(x) / vstore(y, v), floats
+// unaligned; vwiden(w, part) / vload(x, part) with part = first(left), the first `left` (> 0)
+// of them, zero past them (here by a mask: nothing past them is read); in_register(v), v held
+// in a register (no load folded into each of its uses); finish(a), the 64 lanes of kLanes /
+// kVectorWidth registers as `finish`'s tree.
+using Vec = __m512;
+using First = __mmask16;
+inline First first(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+template <typename T>
+inline Vec vwiden(const T* w, First keep) { return widen16(w, keep); }
+inline Vec vload(const float* x, First keep) { return _mm512_maskz_loadu_ps(keep, x); }
+template <typename T>
+inline Vec vwiden(const T* w) { return widen16(w); }
+inline Vec vload(const float* x) { return _mm512_loadu_ps(x); }
+inline void vstore(float* y, Vec v) { _mm512_storeu_ps(y, v); }
+inline void in_register(Vec& v) { asm("" : "+v"(v)); }
+// `finish` of the 64 lanes in four registers (a<r>: lanes 16r .. 16r + 15).
+inline float finish(const Vec* a) {
+  return halve16(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+}
 #endif
 
 #if !JLLAMA_AVX512 && defined(__AVX2__) && defined(__FMA__)
@@ -181,6 +207,35 @@ inline __m256 widen8(const Half* w) {
 
 // halve16 of 16 lanes held as two registers (lanes 0-7, 8-15): the same tree.
 inline float halve16(__m256 lo, __m256 hi) { return ggml::hsum8(_mm256_add_ps(lo, hi)); }
+
+// The AVX2 `Vec` and its operations (see the AVX-512 ones): the last partial register through a
+// zero-padded copy.
+using Vec = __m256;
+inline void in_register(Vec& v) { asm("" : "+x"(v)); }
+template <typename T>
+inline Vec vwiden(const T* w) { return widen8(w); }
+inline Vec vload(const float* x) { return _mm256_loadu_ps(x); }
+inline void vstore(float* y, Vec v) { _mm256_storeu_ps(y, v); }
+struct First {
+  int64_t count;  // of the register's 8 floats
+};
+inline First first(int64_t left) { return First{std::min<int64_t>(left, 8)}; }
+template <typename T>
+inline Vec vwiden(const T* w, First part) {
+  T copy[8] = {};
+  std::memcpy(copy, w, sizeof(T) * part.count);
+  return widen8(copy);
+}
+inline Vec vload(const float* x, First part) {
+  float copy[8] = {};
+  std::memcpy(copy, x, sizeof(float) * part.count);
+  return _mm256_loadu_ps(copy);
+}
+// `finish` of the 64 lanes in eight registers (a<r>: lanes 8r .. 8r + 7).
+inline float finish(const Vec* a) {
+  return halve16(_mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[4], a[6])),
+                 _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7])));
+}
 #endif
 
 // sum_d a[d] * b[d] in 16 lanes then the tree of halve16 (a fixed order).

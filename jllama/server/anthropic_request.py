@@ -1,0 +1,267 @@
+"""A request of Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) as
+the chat completions request it is run as (`jllama.server.chat_run`).
+
+Source: Anthropic API reference, Messages (create, count tokens): `system`, `messages` with
+text / tool_use / tool_result blocks, `tools` (name, description, input_schema),
+`tool_choice` (auto, any, tool, none), `max_tokens`, `stop_sequences`, `temperature` (0 to 1),
+`top_p`, `top_k`.
+
+- `system` (a string or text blocks) becomes a first system message.
+- A user message's text blocks are its content (blocks joined with a line break, as chat's
+  parts are); each `tool_result` block becomes a tool message answering its `tool_use_id`
+  (its content a string or text blocks; `is_error` is not rendered). An assistant message's
+  text blocks are its content and its `tool_use` blocks its calls (`input` as the arguments).
+- `tools` and `tool_choice` become chat's ("any" is "required", `{"type": "tool", "name"}` a
+  named function); `disable_parallel_tool_use` changes nothing (one call per reply).
+- `max_tokens` (required) is chat's `max_completion_tokens`; `stop_sequences` are stop strings
+  (any number); `temperature`, `top_p`, `top_k` and jllama's sampler fields (`EXTRA_FIELDS`)
+  go on as they are (the newest SDKs send the sampler fields through `extra_body` only).
+- `output_config.format` (`{"type": "json_schema", "schema"}`: structured outputs) is chat's
+  `response_format` json_schema; `output_config.effort` changes nothing.
+
+Refused with a 400: a last message from the assistant (prefill: the chat template ends the
+prompt with a new assistant turn, so the reply could not continue it), blocks other than
+text / tool_use / tool_result (images, documents, thinking), server tools (a `type` other
+than "custom"), `thinking` enabled. `metadata`, `service_tier` and the like are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from jllama.server.chat_run import extra_fields
+from jllama.server.errors import APIError
+
+RENAMES = (
+    (r"\bmax_completion_tokens\b", "max_tokens"),
+    (r"\bmessages\[\d+\]", "messages"),
+    (r"\b(tools\[\d+\])\.function\.parameters\b", r"\1.input_schema"),
+    (r"\b(tools\[\d+\])\.function\b", r"\1"),
+    (r"\bresponse_format\.json_schema\b", "output_config.format"),
+    (r"\bresponse_format\b", "output_config.format"),
+)
+"""Chat's field names in an error, as the Messages API names them (`chat_run.renamed`)."""
+
+
+def _thinking_off(value: Any) -> Any:
+    if isinstance(value, dict) and value.get("type") not in (None, "disabled"):
+        raise ValueError("extended thinking is not supported by this server's models: leave "
+                         'it out or give {"type": "disabled"}')
+    return value
+
+
+class CountTokensRequest(BaseModel):
+    """POST /v1/messages/count_tokens: what the prompt is rendered from."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    messages: list[Any] = Field(min_length=1)
+    system: str | list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    thinking: Annotated[Any, AfterValidator(_thinking_off)] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: Any = None
+    top_k: Any = None
+    stream: bool = False
+    output_config: dict[str, Any] | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        if value is not None and not 0 <= value <= 1:
+            raise ValueError(f"must be in [0, 1] (Anthropic's range), got {value!r}")
+        return value
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and "" in value:
+            raise ValueError("a stop sequence must not be empty")
+        return value
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def _texts(content: Any, where: str) -> list[dict]:
+    """A string, or text blocks, as chat's text parts."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _bad(where, "must be a string or a list of text blocks")
+    parts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise _bad(f"{where}[{j}].type", "must be \"text\" (only text is supported here)")
+        if not isinstance(block.get("text"), str):
+            raise _bad(f"{where}[{j}].text", "must be a string")
+        parts.append({"type": "text", "text": block["text"]})
+    return parts
+
+
+def _string(block: dict, key: str, where: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str) or not value:
+        raise _bad(f"{where}.{key}", f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _blocks(content: Any, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not content:
+        raise _bad(where, "must be a string or a non-empty list of content blocks")
+    if not all(isinstance(block, dict) for block in content):
+        raise _bad(where, "a content block must be an object")
+    return content
+
+
+def _user(content: Any, where: str) -> list[dict]:
+    """A user message as chat messages: its tool results (tool messages) and text."""
+    out, texts = [], []
+    for j, block in enumerate(_blocks(content, where)):
+        kind, at = block.get("type"), f"{where}[{j}]"
+        if kind == "text":
+            texts += _texts([block], where)
+        elif kind == "tool_result":
+            result = block.get("content", "")
+            out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
+                        "content": _texts(result, f"{at}.content")})
+        else:
+            raise _bad(f"{at}.type", 'a user block must be "text" or "tool_result" (the kinds '
+                       f"this server supports), got {kind!r}")
+    return out + ([{"role": "user", "content": texts}] if texts else [])
+
+
+def _assistant(content: Any, where: str) -> dict:
+    """An assistant message as a chat message: its text and its calls."""
+    texts, calls = [], []
+    for j, block in enumerate(_blocks(content, where)):
+        kind, at = block.get("type"), f"{where}[{j}]"
+        if kind == "text":
+            texts += _texts([block], where)
+        elif kind == "tool_use":
+            arguments = block.get("input")
+            if not isinstance(arguments, dict):
+                raise _bad(f"{at}.input", "must be an object")
+            calls.append({"id": _string(block, "id", at), "type": "function", "function": {
+                "name": _string(block, "name", at), "arguments": json.dumps(arguments)}})
+        else:
+            raise _bad(f"{at}.type", 'an assistant block must be "text" or "tool_use" (the '
+                       f"kinds this server supports), got {kind!r}")
+    message = {"role": "assistant", "content": texts or None}
+    return {**message, "tool_calls": calls} if calls else {**message, "content": texts}
+
+
+def chat_messages(body: CountTokensRequest) -> list[dict]:
+    """`system` and `messages` as chat messages.
+
+    Raises:
+      APIError (400): a bad message or block (`param` e.g. "messages[1].content[0].type"), a
+        last message from the assistant.
+    """
+    out = []
+    if body.system is not None:
+        out.append({"role": "system", "content": _texts(body.system, "system")})
+    for i, message in enumerate(body.messages):
+        where = f"messages[{i}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "user":
+            out += _user(message.get("content"), f"{where}.content")
+        elif role == "assistant":
+            out.append(_assistant(message.get("content"), f"{where}.content"))
+        else:
+            raise _bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
+    if body.messages[-1].get("role") == "assistant":
+        raise _bad(f"messages[{len(body.messages) - 1}]", "a last assistant message (prefill) "
+                   "is not supported: the reply is a new assistant turn; end with a user message")
+    return out
+
+
+def _tools(tools: list[Any] | None) -> list[dict] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type", "custom") if isinstance(tool, dict) else None
+        if kind != "custom":
+            raise _bad(f"tools[{i}].type", "only custom (client) tools are supported, got "
+                       f"{kind!r}")
+        if "input_schema" not in tool:
+            raise _bad(f"tools[{i}].input_schema", "this field is required")
+        # In the order OpenAI's function tools give them: templates write the tool's JSON.
+        function = {"name": tool.get("name")}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        function["parameters"] = tool["input_schema"]
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _output_format(config: dict[str, Any] | None) -> dict | None:
+    """`output_config.format` as chat's `response_format`."""
+    spec = (config or {}).get("format")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema":
+        raise _bad("output_config.format.type", 'must be "json_schema"')
+    if "schema" not in spec:
+        raise _bad("output_config.format.schema", "this field is required")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None:
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise _bad("tool_choice", 'must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
+               '{"type": "tool", "name": ...}')
+
+
+def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
+    """The chat completions request (its JSON fields) a Messages request runs as; its
+    stop_sequences are set on the parsed request (`stop_strings`), not here, as chat allows 4.
+
+    Raises:
+      APIError (400): a bad message, block, tool or tool_choice (the rest is checked as chat's
+        fields).
+    """
+    fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body),
+                              **extra_fields(body.model_extra)}
+    tools = _tools(body.tools)
+    if tools:  # Anthropic's tools: [] is no tools (chat refuses an empty list)
+        fields["tools"] = tools
+        if body.tool_choice is not None:
+            fields["tool_choice"] = _tool_choice(body.tool_choice)
+    elif _tool_choice(body.tool_choice) not in (None, "auto", "none"):
+        raise _bad("tool_choice", "needs tools")
+    if isinstance(body, MessagesRequest):
+        fields["max_completion_tokens"] = body.max_tokens
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(body, name) is not None:
+                fields[name] = getattr(body, name)
+        response_format = _output_format(body.output_config)
+        if response_format is not None:
+            fields["response_format"] = response_format
+    return fields
