@@ -88,12 +88,14 @@ class MessageBuilder:
         self._open: dict | None = None
         self._json = ""  # the open tool_use block's arguments so far
         self._pinged = False
+        self.stop: tuple[str | None, str | None] = (None, None)  # stop_reason, stop_sequence
+        self.output_tokens = 0
 
-    def message(self, stop: tuple[str | None, str | None] = (None, None),
-                output_tokens: int = 0) -> dict:
-        return {**self.head, "content": list(self.content), "stop_reason": stop[0],
-                "stop_sequence": stop[1],
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens}}
+    def message(self) -> dict:
+        """The message object as it stands."""
+        return {**self.head, "content": list(self.content), "stop_reason": self.stop[0],
+                "stop_sequence": self.stop[1], "usage": {
+                    "input_tokens": self.input_tokens, "output_tokens": self.output_tokens}}
 
     def start(self) -> list[Event]:
         return [("message_start", {"type": "message_start", "message": self.message()})]
@@ -219,7 +221,7 @@ def add_anthropic_routes(app: FastAPI, chat: ChatService) -> None:
 
             async for _ in _replay(run, builder, whole()):
                 pass
-            return builder.message(builder.stop, builder.output_tokens)
+            return builder.message()
         except APIError as e:
             return error_response(e)
         except Exception as e:  # noqa: BLE001 (the server's own failure, in Anthropic's shape)
