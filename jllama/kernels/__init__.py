@@ -71,9 +71,8 @@ PROLOGUE_PLAIN, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU = 0, 1, 2
 silu(x) * gate."""
 
 __all__ = ["MATVEC_MODES", "KernelBuildError", "argmax", "attention", "attention_chunk",
-           "attention_chunk_fits", "dequantize", "embedding_rows", "load", "matvec",
-           "prologue_args", "rope_write",
-           "sample", "vector_width"]
+           "attention_chunk_fits", "dequantize", "embedding_rows", "ggml_operands", "load",
+           "matvec", "prologue_args", "rope_write", "sample", "vector_width"]
 
 
 def prologue_args(name: str, norm_shape, gate_shape, add_shape, norm, eps, gate, add
@@ -167,7 +166,7 @@ def matvec(
     extra, attrs = prologue_args("matvec", x.shape, x.shape, out.shape, norm, eps, gate, add)
     x = x.astype(jnp.float32)
     if isinstance(w, (GGMLMatrix, RowStack, FloatRows)):
-        parts, types = _parts(w)
+        parts, types = ggml_operands(w)
         return jax.ffi.ffi_call(MATVEC_GGML, out)(x, *parts, *extra, types=types, **attrs)
     if isinstance(w, Int8Matrix) and w.grouped:
         return jax.ffi.ffi_call(GROUPED_INT8, out)(w.q, w.scale, x, *extra, **attrs)
@@ -179,8 +178,10 @@ def matvec(
     return jax.ffi.ffi_call(TARGETS[name], out)(w, x, *extra, **attrs)
 
 
-def _parts(w) -> tuple[list, np.ndarray]:
-    """The byte arrays of a GGMLMatrix or RowStack and their ggml type ids (int32[k])."""
+def ggml_operands(w) -> tuple[list, np.ndarray]:
+    """The GGML handlers' operands for w (a `GGMLMatrix`, `RowStack` or `FloatRows`): its parts'
+    arrays (byte arrays, or the typed float arrays of `FloatRows`) and their ggml type ids
+    (int32[k], the handlers' `types` attribute)."""
     if isinstance(w, FloatRows):  # the arrays themselves, typed
         types = [FLOAT_TYPES[jnp.dtype(p.dtype).name] for p in w.parts]
         return list(w.parts), np.array(types, np.int32)
@@ -192,7 +193,7 @@ def dequantize(w) -> jax.Array:
     """A GGMLMatrix or RowStack as f32[rows, cols], exactly ggml's values (`ggml::dequantize_row`,
     split over XLA's threads), for tracing inside a jitted program (call `load()` first): the
     prefill chunks multiply it with XLA's matrix product."""
-    parts, types = _parts(w)
+    parts, types = ggml_operands(w)
     out = jax.ShapeDtypeStruct(w.shape, jnp.float32)
     return jax.ffi.ffi_call(DEQUANTIZE_GGML, out)(*parts, types=types)
 
@@ -201,7 +202,7 @@ def matmul(w, x: jax.Array) -> jax.Array:
     """x: f32[T, n] times a GGMLMatrix or RowStack [m, n] (out x in): f32[T, m], each token's
     row as `matvec` computes it for that token alone (activations quantized per token, the same
     sums in the same order). For tracing inside a jitted program (call `load()` first)."""
-    parts, types = _parts(w)
+    parts, types = ggml_operands(w)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(MATMUL_GGML, out)(x.astype(jnp.float32), *parts, types=types)
 

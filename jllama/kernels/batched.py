@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jllama.model.ggml_matrix import FloatRows, GGMLMatrix, RowStack
-from jllama.kernels import SYMBOLS, _parts, prologue_args
+from jllama.kernels import SYMBOLS, ggml_operands, prologue_args
 from jllama.model.quant import Int8Matrix
 
 BATCH_TARGETS = dict(zip(("float32", "bfloat16", "int8"), SYMBOLS[13:16], strict=True))
@@ -70,7 +70,7 @@ def matvec_batch(
     x = x.astype(jnp.float32)
     count = jnp.asarray(count, jnp.int32)
     if isinstance(w, (GGMLMatrix, RowStack, FloatRows)):
-        parts, types = _parts(w)
+        parts, types = ggml_operands(w)
         return jax.ffi.ffi_call(GGML_BATCH, out)(x, count, *parts, *extra, types=types, **attrs)
     if isinstance(w, Int8Matrix):
         target = GROUPED_INT8_BATCH if w.grouped else BATCH_TARGETS["int8"]

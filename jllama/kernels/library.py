@@ -120,7 +120,9 @@ def _cpu_vendor() -> str:
     return platform.processor()
 
 
-def _cpu_features() -> str:
+def cpu_features() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (its `flags` or `Features` line), else
+    `platform.processor()`: what a library built for this CPU depends on."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -139,7 +141,7 @@ def library_path(cxx: list[str], march: str | None = None) -> Path:
     key = hashlib.sha256()
     sources = b"".join(f.name.encode() + b"\0" + f.read_bytes() + b"\0" for f in FILES)
     for part in (sources, " ".join(flags(march)).encode(), " ".join(cxx).encode(),
-                 jaxlib.__version__.encode(), _cpu_features().encode()):
+                 jaxlib.__version__.encode(), cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
     return jllama_home() / "kernels" / f"matvec-{key.hexdigest()[:16]}.so"

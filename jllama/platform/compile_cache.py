@@ -48,7 +48,7 @@ def cache_folder(home: Path | None = None) -> Path:
     """`$JLLAMA_HOME/xla-cache/<key>` (not created here): the key is the file name of the
     kernel library this machine's compiler builds (`matvec-<hash>`), or, without a C++
     compiler, `xla-<hash>` of the CPU's features and jaxlib's version."""
-    from jllama.kernels.library import _cpu_features, compiler, library_path
+    from jllama.kernels.library import compiler, cpu_features, library_path
 
     cxx = compiler()
     if cxx is not None:
@@ -57,7 +57,7 @@ def cache_folder(home: Path | None = None) -> Path:
         import jaxlib
 
         digest = hashlib.sha256(
-            f"{_cpu_features()}\0{jaxlib.__version__}\0{platform.machine()}".encode()
+            f"{cpu_features()}\0{jaxlib.__version__}\0{platform.machine()}".encode()
         ).hexdigest()
         key = f"xla-{digest[:16]}"
     return (home or jllama_home()) / FOLDER / key
