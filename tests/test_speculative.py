@@ -415,3 +415,58 @@ def test_the_server_drafts_a_lone_request_and_counts_it_in_metrics():
     drafted = counts["ngram"]["jllama_spec_decode_draft_tokens_total"]
     accepted = counts["ngram"]["jllama_spec_decode_accepted_tokens_total"]
     assert 0 < accepted <= drafted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["ngram", "self:int8"])
+def test_sampled_next_tokens_of_stories260k_have_the_models_distribution(draft):
+    """stories260K at temperature 1, the 3 tokens after a fixed prompt, 4000 draws with drafts
+    (each from its own seed; the cache holds the prompt once, every draw rewrites the
+    positions after it), against the model's own probabilities of each continuation worked
+    out in float64 from `forward`'s logits (p(a) p(b | a) p(c | a, b)): chi-square, p > 0.01."""
+    from scipy.stats import chisquare
+
+    from jllama.generation.draft_model import open_draft
+    from jllama.generation.speculative import make_drafter, verifier
+
+    model = open_model(None)
+    backend = make_backend("jax", matvec="kernel")
+    backend.prepare(model.config, model.weights)
+    prompt = model.tokenizer.encode("Lily and Ben went to the park. Lily and Ben went to the")
+    backend.prefill(prompt[:-1], 0)
+    drafter = make_drafter(open_draft(draft, model) if draft != "ngram" else draft)
+    counts: dict[tuple, int] = {}
+    drafted = 0
+    for seed in range(1, 4001):
+        decoder = SpeculativeDecoder(verifier(backend), drafter, prompt, [],
+                                     model.config.seq_len, 4,
+                                     sampler=Sampler(temperature=1.0, top_p=1.0, seed=seed))
+        out, token, pos = [], prompt[-1], len(prompt) - 1
+        while len(out) < 3:
+            ids, _ = decoder(token, pos, 3 - len(out))
+            out += ids
+            token, pos = ids[-1], pos + len(ids)
+        counts[tuple(out[:3])] = counts.get(tuple(out[:3]), 0) + 1
+        drafted += decoder.stats.drafted_tokens
+    assert drafted > 1000  # the drafts were tested
+
+    def probs(logits):
+        z = np.asarray(logits, np.float64)
+        e = np.exp(z - z.max())
+        return e / e.sum()
+
+    start = len(prompt) - 1
+    first = probs(backend.forward(prompt[-1], start))
+    expected = {}
+    for a, b, c in counts:
+        second = probs(backend.forward(a, start + 1))
+        third = probs(backend.forward(b, start + 2))
+        expected[(a, b, c)] = first[a] * second[b] * third[c]
+    # Bins: the continuations expected 5 times or more (each is all but sure to be drawn, so
+    # among those seen), and one for all the rest, drawn or not.
+    keys = [k for k in sorted(counts) if expected[k] * 4000 >= 5]
+    observed = np.array([counts[k] for k in keys], np.float64)
+    wanted = np.array([expected[k] for k in keys]) * 4000
+    observed = np.append(observed, 4000 - observed.sum())
+    wanted = np.append(wanted, 4000 - wanted.sum())
+    assert len(keys) >= 5 and chisquare(observed, wanted).pvalue > 0.01
