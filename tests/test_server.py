@@ -419,7 +419,8 @@ BAD = [
     ("/v1/completions", {**GOOD, "top_p": -0.1}, 400, "top_p"),
     ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {**GOOD, "seed": "abc"}, 400, "seed"),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
+    ("/v1/completions", {**GOOD, "n": 17}, 400, "n"),  # over the server's 16
+    ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {**GOOD, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("/v1/completions", {**GOOD, "logit_bias": {"99999": 1}}, 400, "logit_bias"),

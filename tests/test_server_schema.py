@@ -83,7 +83,6 @@ def test_top_k_zero_or_less_is_off_as_in_llama_cpp():
 
 
 def test_unsupported_options_name_the_field():
-    assert refusal(n=2).message == "n: only n=1 is supported (got 2)"
     assert refusal(best_of=3).param == "best_of"
     assert refusal(echo=True).message == "echo: echo=true is not supported (got True)"
     assert refusal(suffix="x").param == "suffix"
@@ -92,6 +91,31 @@ def test_unsupported_options_name_the_field():
     parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                            "response_format": {"type": "text"}}).encode(),
                ChatCompletionRequest)
+
+
+def test_n_is_1_to_16():
+    assert parse(n=16).choices == 16 and parse().choices == 1 and parse(n=None).choices == 1
+    for n in (0, 17, 1000):
+        error = refusal(n=n)
+        assert error.param == "n"
+        assert error.message == (f"n: must be an integer in [1, 16] (choices per request; 16 "
+                                 f"is this server's limit), got {n}")
+    assert refusal(n=2.0).param == "n"
+
+
+def test_choice_i_samples_with_seed_plus_i():
+    # Worked out by hand: seed s + i, then mod 2**64 with 0 as 2**64 - 1.
+    request = parse(seed=41, n=3)
+    assert [request.sampler_config(10, i).seed for i in range(3)] == [41, 42, 43]
+    # Past 2**64 - 1 the seeds wrap as a request's seed does: s + i = 2**64 is seed=0's state
+    # (2**64 - 1, xorshift cannot start from 0), 2**64 + 1 is seed=1's.
+    request = parse(seed=2**64 - 2, n=4)
+    assert [request.sampler_config(10, i).seed for i in range(4)] == [
+        2**64 - 2, 2**64 - 1, 2**64 - 1, 1]
+    assert parse(seed=0).sampler_config(10).seed == 2**64 - 1
+    request = parse(seed=-3, n=2)  # OpenAI's seeds are int64: -3 is 2**64 - 3
+    assert [request.sampler_config(10, i).seed for i in range(2)] == [2**64 - 3, 2**64 - 2]
+    assert parse(n=2).sampler_config(10, 1, base_seed=7).seed == 8  # no seed: a base drawn
 
 
 def test_tools_empty_list_is_refused_on_both_routes_as_openai_does():

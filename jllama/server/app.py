@@ -4,10 +4,11 @@ Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/comple
 `POST /v1/chat/completions`. Responses and stream chunks follow OpenAI's API reference
 (`text_completion`, `chat.completion`, `chat.completion.chunk` objects; server-sent events ending
 with `data: [DONE]`; with `stream_options.include_usage`, a last chunk with `usage` and no
-choices). `response_format` and `tools` constrain the reply (`jllama.server.structured`,
-`jllama.server.tools`); a call comes back as `tool_calls` (`jllama.server.tool_reply`). Every
-refusal is OpenAI's error JSON (`jllama.server.errors.APIError`) with its
-status: 400 for a bad field (named in `param`), 404 for an unknown model or path, 405 for a
+choices). `n` asks for several choices (`jllama.server.choices`: choice i samples with seed + i;
+a stream's chunks carry each choice's index). `response_format` and `tools` constrain the reply
+(`jllama.server.structured`, `jllama.server.tools`); a call comes back as `tool_calls`
+(`jllama.server.tool_reply`). Every refusal is OpenAI's error JSON
+(`jllama.server.errors.APIError`) with its status: 400 for a bad field (named in `param`), 404 for an unknown model or path, 405 for a
 wrong method, 413 for a body over the limit (at once when its declared length is), 415 for a
 body that is not JSON by its Content-Type (`jllama.server.request_head`), 503 when the queue
 is full. A path with a trailing slash is the path without it.
@@ -28,22 +29,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jllama.chat import ChatTemplate
 from jllama.errors import JllamaError
-from jllama.server.engine import Engine, Failed, Job, Text
+from jllama.server.choices import Choices, choice_samplers, usage
+from jllama.server.engine import Done, Engine, Failed, Job, Text
 from jllama.server.errors import APIError
-from jllama.server.payloads import TextOffsets, chat_logprobs, completion_logprobs, usage
+from jllama.server.payloads import TextOffsets, chat_logprobs, completion_logprobs
 from jllama.server.request_head import TrailingSlashes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from jllama.server.structured import response_format_grammar
 from jllama.server.tool_reply import TextReply, ToolReply
 from jllama.server.tools import plan_chat, template_renders_tools
-from jllama.server.transport import (
-    BODY_TIMEOUT_S,
-    MAX_BODY_BYTES,
-    collect,
-    events_of,
-    read_body,
-    stream,
-)
+from jllama.server.transport import BODY_TIMEOUT_S, MAX_BODY_BYTES, read_body, stream
 
 RETRY_AFTER_S = 1
 """The Retry-After a 503 (queue full) carries, seconds."""
@@ -203,49 +198,66 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             raise APIError(400, f"messages: {e}", param="messages") from None
         return tokenizer.encode_segments(segments, bos=False)
 
+    def submit_all(jobs: list[Job]) -> None:
+        """Submit a request's jobs; where the queue refuses one (503), those before it are
+        cancelled (a request runs whole or not at all)."""
+        for k, job in enumerate(jobs):
+            try:
+                submit(job)
+            except APIError:
+                for earlier in jobs[:k]:
+                    earlier.cancel()
+                raise
+
+    def head(ident: str, kind: str, now: int) -> dict:
+        """The fields every response object and chunk of a request starts with."""
+        return {"id": ident, "object": kind, "created": now, "model": model_id}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse_body(await read_body(request, max_body_bytes, body_timeout_s),
                           CompletionRequest)
         check_model(body.model)
-        sampler = body.sampler_config(tokenizer.vocab_size)
+        samplers = choice_samplers(body, tokenizer.vocab_size)
         grammar = response_format_grammar(body.response_format)
         ids = await run_in_threadpool(encode_prompt, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         check_length(ids, "prompt", max_tokens)
-        job = Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs,
-                  ignore_eos=body.ignore_eos, grammar=grammar, grammar_param="response_format",
-                  cache_prompt=body.cache_prompt)
-        submit(job)
-        ident, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        choices = Choices([
+            Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs,
+                ignore_eos=body.ignore_eos, grammar=grammar, grammar_param="response_format",
+                cache_prompt=body.cache_prompt)
+            for sampler in samplers], body.choices)
+        submit_all(choices.jobs)
+        top = head(f"cmpl-{secrets.token_hex(12)}", "text_completion", int(time.time()))
 
-        def chunk(text: str, logprobs, finish_reason) -> dict:
-            return {
-                "id": ident, "object": "text_completion", "created": now, "model": model_id,
-                "choices": [{
-                    "text": text, "index": 0, "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }],
-            }
+        def choice(index: int, text: str, logprobs, finish_reason) -> dict:
+            return {"text": text, "index": index, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
-                before = TextOffsets()  # the completion so far, for text_offset
-                async for event in events_of(job):
+                # Each choice's completion so far, for text_offset.
+                before = [TextOffsets() for _ in range(choices.n)]
+                dones = [None] * choices.n
+                async for index, event in choices.events():
                     if isinstance(event, Text):
-                        logprobs = completion_logprobs(event.logprobs, body, before)
-                        yield chunk(event.text, logprobs, None)
+                        logprobs = completion_logprobs(event.logprobs, body, before[index])
+                        item = choice(index, event.text, logprobs, None)
                     else:
-                        yield chunk("", None, event.finish_reason)
-                        if body.include_usage:
-                            yield {**chunk("", None, None), "choices": [], "usage": usage(event)}
+                        dones[index] = event
+                        item = choice(index, "", None, event.finish_reason)
+                    yield {**top, "choices": [item]}
+                if body.include_usage:
+                    yield {**top, "choices": [], "usage": usage(dones)}
 
-            return stream(events(), job)
-        texts, logprobs, done = await collect(request, job)
-        return {
-            **chunk("".join(texts), completion_logprobs(logprobs, body), done.finish_reason),
-            "usage": usage(done),
-        }
+            return stream(events(), choices)
+        results = await choices.collect(request)
+        return {**top, "choices": [
+            choice(index, "".join(texts), completion_logprobs(logprobs, body),
+                   done.finish_reason)
+            for index, (texts, logprobs, done) in enumerate(results)
+        ], "usage": usage([done for _, _, done in results])}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -259,66 +271,67 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        sampler = body.sampler_config(tokenizer.vocab_size)
+        samplers = choice_samplers(body, tokenizer.vocab_size)
         plan = plan_chat(body.message_dicts(), body.tools, body.tool_choice,
                          body.response_format, renders_tools)
         ids = await run_in_threadpool(encode_chat, plan.messages, plan.template_tools)
         max_tokens = body.max_completion_tokens or body.max_tokens
         check_length(ids, "messages", max_tokens, "max_completion_tokens"
                      if body.max_completion_tokens else "max_tokens")
-        job = Job(ids, sampler, max_tokens, stop=body.stop,
-                  logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                  ignore_eos=body.ignore_eos, grammar=plan.grammar,
-                  grammar_param="tools" if plan.offers_tools else "response_format",
-                  finish_by_reply=plan.offers_tools, cache_prompt=body.cache_prompt)
-        submit(job)
+        choices = Choices([
+            Job(ids, sampler, max_tokens, stop=body.stop,
+                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                ignore_eos=body.ignore_eos, grammar=plan.grammar,
+                grammar_param="tools" if plan.offers_tools else "response_format",
+                finish_by_reply=plan.offers_tools, cache_prompt=body.cache_prompt)
+            for sampler in samplers], body.choices)
+        submit_all(choices.jobs)
         ident, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-        reply = (ToolReply(expect_call=plan.mode in ("required", "named"))
-                 if plan.offers_tools else TextReply())
+        replies = [ToolReply(expect_call=plan.mode in ("required", "named"))
+                   if plan.offers_tools else TextReply() for _ in range(choices.n)]
 
-        def chunk(delta: dict, logprobs, finish_reason) -> dict:
-            return {
-                "id": ident, "object": "chat.completion.chunk", "created": now,
-                "model": model_id,
-                "choices": [{
-                    "index": 0, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }],
-            }
+        def chunk(index: int, delta: dict, logprobs, finish_reason) -> dict:
+            return {**head(ident, "chat.completion.chunk", now), "choices": [{
+                "index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }]}
+
+        def finish(index: int, done: Done) -> str:
+            """The choice's finish_reason, counted in /metrics ("tool_calls" for a call)."""
+            reason = replies[index].finish_reason(done.finish_reason)
+            choices.job_of(index).count(reason)
+            return reason
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
-                yield chunk({"role": "assistant", "content": ""}, None, None)
-                async for event in events_of(job):
+                for index in range(choices.n):
+                    yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+                dones = [None] * choices.n
+                async for index, event in choices.events():
+                    reply = replies[index]
                     if isinstance(event, Text):
                         logprobs = chat_logprobs(event.logprobs, body)
                         # A piece of a call's head is held back until the name is whole; its
                         # logprobs still go out, in a chunk with an empty delta.
                         for delta in reply.deltas(event.text) or ([{}] if logprobs else []):
-                            yield chunk(delta, logprobs, None)
+                            yield chunk(index, delta, logprobs, None)
                             logprobs = None
                     else:
+                        dones[index] = event
                         for delta in reply.final_deltas():
-                            yield chunk(delta, None, None)
-                        finish = reply.finish_reason(event.finish_reason)
-                        job.count(finish)  # /metrics: "tool_calls" for a call
-                        yield chunk({}, None, finish)
-                        if body.include_usage:
-                            yield {**chunk({}, None, None), "choices": [], "usage": usage(event)}
+                            yield chunk(index, delta, None, None)
+                        yield chunk(index, {}, None, finish(index, event))
+                if body.include_usage:
+                    yield {**head(ident, "chat.completion.chunk", now), "choices": [],
+                           "usage": usage(dones)}
 
-            return stream(events(), job)
-        texts, logprobs, done = await collect(request, job)
-        message = reply.message("".join(texts))
-        finish = reply.finish_reason(done.finish_reason)
-        job.count(finish)
-        return {
-            "id": ident, "object": "chat.completion", "created": now, "model": model_id,
-            "choices": [{
-                "index": 0, "message": message, "logprobs": chat_logprobs(logprobs, body),
-                "finish_reason": finish,
-            }],
-            "usage": usage(done),
-        }
+            return stream(events(), choices)
+        results = await choices.collect(request)
+        return {**head(ident, "chat.completion", now), "choices": [{
+            "index": index, "message": replies[index].message("".join(texts)),
+            "logprobs": chat_logprobs(logprobs, body), "finish_reason": finish(index, done),
+        } for index, (texts, logprobs, done) in enumerate(results)],
+            "usage": usage([done for _, _, done in results])}
 
     return app
 

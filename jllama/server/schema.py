@@ -15,7 +15,8 @@ names, and so are ignore_eos (go on past the end-of-generation ids, for fixed-le
 and cache_prompt (false: feed the whole prompt again rather than reuse the prefix the cache
 holds, for replies equal bit for bit to a fresh run's).
 
-`stream_options` is refused without `stream: true`, as OpenAI's API refuses it. A body nested more than MAX_DEPTH levels, or holding
+`n` (1 to MAX_CHOICES) asks for that many choices; `stream_options` is refused without
+`stream: true`, as OpenAI's API refuses it. A body nested more than MAX_DEPTH levels, or holding
 an integer of more than MAX_INT_DIGITS digits, is refused before it is validated, in this
 module's words (Python's would be "maximum recursion depth exceeded" or
 "sys.set_int_max_str_digits").
@@ -42,6 +43,10 @@ from jllama.sampling import SamplerConfig, SamplerSettingError, check_setting
 from jllama.server.errors import APIError
 
 _U64 = 2**64
+
+MAX_CHOICES = 16
+"""The most choices (`n`) one request may ask for: each is a sequence of its own (a slot's
+turn, or a turn of the one-at-a-time worker), so n multiplies the request's work."""
 
 MAX_DEPTH = 128
 """The most levels of arrays and objects a request body may nest (a JSON schema of 10 nested
@@ -118,7 +123,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int | None, _refuse(lambda n: n == 1, "only n=1 is supported")] = None
+    n: int | None = None  # None: 1
     samplers: list[str] | None = None
     user: str | None = None
     ignore_eos: bool = False  # llama.cpp server's: go on past the end-of-generation ids
@@ -133,6 +138,14 @@ class _Sampling(_Strict):
         checked = _sampler_setting(info.field_name, value)
         _openai_range(info.field_name, value)
         return checked
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"must be an integer in [1, {MAX_CHOICES}] (choices per request; "
+                             f"{MAX_CHOICES} is this server's limit), got {value}")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -172,13 +185,16 @@ class _Sampling(_Strict):
                 _openai_range("logit_bias", bias, f"token {key}: ")
         return value
 
-    def sampler_config(self, vocab_size: int) -> SamplerConfig:
+    def sampler_config(self, vocab_size: int, choice: int = 0,
+                       base_seed: int | None = None) -> SamplerConfig:
         """The `SamplerConfig` this request asks for, OpenAI's defaults where a field is absent
         (temperature 1, top_p 1, no penalties).
 
-        The seed: absent, a clock seed; an integer s, the xorshift state s mod 2**64 (so
-        seed=42 samples as `jllama --seed=42`), with 0 (which xorshift cannot start from)
-        mapped to 2**64 - 1.
+        The seed: absent, a clock seed (or `base_seed`, where given); an integer s, the
+        xorshift state s mod 2**64 (so seed=42 samples as `jllama --seed=42`), with 0 (which
+        xorshift cannot start from) mapped to 2**64 - 1. Choice i of a request with n > 1
+        uses seed s + i (before that mapping): its tokens are those of a request with n=1 and
+        seed s + i.
 
         Raises:
           APIError (400): a logit_bias token id outside [0, vocab_size).
@@ -192,9 +208,9 @@ class _Sampling(_Strict):
                     f"[0, {vocab_size})", param="logit_bias",
                 )
             bias[token] = value
-        seed = None
-        if self.seed is not None:
-            seed = self.seed % _U64 or _U64 - 1
+        seed = self.seed if self.seed is not None else base_seed
+        if seed is not None:
+            seed = (seed + choice) % _U64 or _U64 - 1
         options = self.model_dump(
             include={"top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
                      "penalty_last_n"},
@@ -207,6 +223,11 @@ class _Sampling(_Strict):
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=seed, logit_bias=bias, **options,
         )
+
+    @property
+    def choices(self) -> int:
+        """How many choices to generate (`n`; absent or null: 1)."""
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:

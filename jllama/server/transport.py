@@ -103,7 +103,8 @@ async def collect(request: Request, job: Job) -> tuple[list[str], list[TokenLogp
 def stream(chunks: AsyncIterator[dict], job: Job) -> StreamingResponse:
     """Server-sent events: one `data: {json}` per chunk, then `data: [DONE]`. A failure after
     the headers went out becomes an `{"error": ...}` event; a client that goes away cancels the
-    job (Starlette cancels this generator when the connection closes)."""
+    job (Starlette cancels this generator when the connection closes). `job`: a `Job`, or
+    anything else with its `cancel()` (`jllama.server.choices.Choices`: every choice's)."""
 
     async def sse() -> AsyncIterator[bytes]:
         try:
