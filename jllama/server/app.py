@@ -1,7 +1,10 @@
 """The HTTP API (FastAPI): OpenAI's completions and chat completions over one model.
 
 Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`,
-`POST /v1/chat/completions`. Responses and stream chunks follow OpenAI's API reference
+`POST /v1/chat/completions`; OpenAI's Responses API (`POST /v1/responses`,
+`jllama.server.responses`) and Anthropic's Messages API (`POST /v1/messages`,
+`jllama.server.anthropic`) run on the chat path (`start_chat`).
+Responses and stream chunks follow OpenAI's API reference
 (`text_completion`, `chat.completion`, `chat.completion.chunk` objects; server-sent events ending
 with `data: [DONE]`; with `stream_options.include_usage`, a last chunk with `usage` and no
 choices). `n` asks for several choices (`jllama.server.choices`: choice i samples with seed + i;
@@ -29,15 +32,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jllama.chat import ChatTemplate
 from jllama.errors import JllamaError
+from jllama.server.anthropic import add_anthropic_routes
+from jllama.server.chat_run import ChatRun, ChatService
 from jllama.server.choices import Choices, choice_samplers, usage
-from jllama.server.engine import Done, Engine, Failed, Job, Text
+from jllama.server.engine import Engine, Failed, Job, Text
 from jllama.server.errors import APIError
 from jllama.server.payloads import TextOffsets, chat_logprobs, completion_logprobs
 from jllama.server.request_head import TrailingSlashes
+from jllama.server.responses import add_responses_routes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from jllama.server.structured import response_format_grammar
 from jllama.server.tool_reply import TextReply, ToolReply
-from jllama.server.tools import plan_chat, template_renders_tools
+from jllama.server.tools import ChatPlan, plan_chat, template_renders_tools
 from jllama.server.transport import BODY_TIMEOUT_S, MAX_BODY_BYTES, read_body, stream
 
 RETRY_AFTER_S = 1
@@ -259,10 +265,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             for index, (texts, logprobs, done) in enumerate(results)
         ], "usage": usage([done for _, _, done in results])}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = parse_body(await read_body(request, max_body_bytes, body_timeout_s),
-                          ChatCompletionRequest)
+    async def chat_prompt(body: ChatCompletionRequest) -> tuple[ChatPlan, list[int]]:
+        """A chat request's plan (tools, constraint) and its rendered prompt."""
         check_model(body.model)
         if template is None:
             raise APIError(
@@ -271,10 +275,18 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        samplers = choice_samplers(body, tokenizer.vocab_size)
         plan = plan_chat(body.message_dicts(), body.tools, body.tool_choice,
                          body.response_format, renders_tools)
-        ids = await run_in_threadpool(encode_chat, plan.messages, plan.template_tools)
+        return plan, await run_in_threadpool(encode_chat, plan.messages, plan.template_tools)
+
+    async def count_chat(body: ChatCompletionRequest) -> int:
+        return len((await chat_prompt(body))[1])
+
+    async def start_chat(body: ChatCompletionRequest) -> ChatRun:
+        """A chat request checked, rendered and submitted: the path from a request to its
+        generation that /v1/chat/completions, /v1/responses and /v1/messages share."""
+        plan, ids = await chat_prompt(body)
+        samplers = choice_samplers(body, tokenizer.vocab_size)
         max_tokens = body.max_completion_tokens or body.max_tokens
         check_length(ids, "messages", max_tokens, "max_completion_tokens"
                      if body.max_completion_tokens else "max_tokens")
@@ -286,21 +298,23 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                 finish_by_reply=plan.offers_tools, cache_prompt=body.cache_prompt)
             for sampler in samplers], body.choices)
         submit_all(choices.jobs)
-        ident, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         replies = [ToolReply(expect_call=plan.mode in ("required", "named"))
                    if plan.offers_tools else TextReply() for _ in range(choices.n)]
+        return ChatRun(choices, replies, len(ids))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = parse_body(await read_body(request, max_body_bytes, body_timeout_s),
+                          ChatCompletionRequest)
+        run = await start_chat(body)
+        choices, replies, finish = run.choices, run.replies, run.finish
+        ident, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
 
         def chunk(index: int, delta: dict, logprobs, finish_reason) -> dict:
             return {**head(ident, "chat.completion.chunk", now), "choices": [{
                 "index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }]}
-
-        def finish(index: int, done: Done) -> str:
-            """The choice's finish_reason, counted in /metrics ("tool_calls" for a call)."""
-            reason = replies[index].finish_reason(done.finish_reason)
-            choices.job_of(index).count(reason)
-            return reason
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
@@ -333,6 +347,11 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         } for index, (texts, logprobs, done) in enumerate(results)],
             "usage": usage([done for _, _, done in results])}
 
+    chat = ChatService(model_id, lambda request: read_body(request, max_body_bytes,
+                                                           body_timeout_s),
+                       count_chat, start_chat)
+    add_responses_routes(app, chat)  # OpenAI's Responses API
+    add_anthropic_routes(app, chat)  # Anthropic's Messages API
     return app
 
 
