@@ -195,6 +195,19 @@ flags.DEFINE_integer(
     "max_waiting", 256, "serve: the most requests queued at once; more get HTTP 503.",
     lower_bound=1,
 )
+flags.DEFINE_multi_string(
+    "api_key", None, "serve: a key clients must send ('Authorization: Bearer KEY', or "
+    "'x-api-key: KEY') on every route but /health and the chat page; repeat the flag or give "
+    "a comma-separated list. Default: none, no key asked for.",
+)
+flags.DEFINE_string(
+    "api_key_file", None, "serve: a file of API keys, one a line (blank lines and lines "
+    "starting with # skipped), added to --api_key's (keeps keys out of the process list).",
+)
+flags.DEFINE_list(
+    "cors_origins", [], "serve: the web origins (scheme://host[:port], comma-separated; * = "
+    "any) whose pages' scripts may call the API and read its answers (CORS). Default: none.",
+)
 flags.DEFINE_bool("pieces", False, "tokenize: print each id with its text, one per line.")
 flags.DEFINE_bool(
     "force",

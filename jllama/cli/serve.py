@@ -32,6 +32,7 @@ def model_id(options: Options) -> str:
 
 def main(options: Options) -> int:
     from jllama.server import bind, make_server, make_worker
+    from jllama.server.access import parse_api_keys
 
     run, serve, m = options.run, options.serve, options.model
     if serve.request_flags:
@@ -44,6 +45,7 @@ def main(options: Options) -> int:
     if run.threads:
         runtime.limit_cpu_threads(run.threads)
     one_process("serve", run)
+    api_keys = parse_api_keys(serve.api_keys, serve.api_key_file)  # a bad file fails at once
     sock = bind(serve.host, serve.port)  # before the slow load: a busy port fails at once
     model = open_model(m.checkpoint, m.tokenizer, seq_len=m.seq_len, dtype=m.dtype)
     n_devices = device_count(run, model.config, several=False)
@@ -57,12 +59,18 @@ def main(options: Options) -> int:
     session = open_session(model, run, n_devices, device_sampling=False)
     engine = make_worker(session, serve.parallel, serve.max_waiting)
     name = model_id(options)
-    server = make_server(engine, name, sock)
+    server = make_server(engine, name, sock, api_keys=api_keys,
+                         cors_origins=serve.cors_origins)
     port = sock.getsockname()[1]
     chat = "chat and completions" if model.chat_template else "completions only, no chat template"
     slots = f"{serve.parallel} slots" if serve.parallel > 1 else "1 slot, first in first out"
     print(f"jllama: serving {name} ({chat}; context {model.config.seq_len} tokens, {slots}) at "
           f"http://{serve.host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    if api_keys or serve.cors_origins:
+        keys = (f"{len(api_keys)} API key{'s' * (len(api_keys) > 1)} (every route but /health "
+                "and the chat page needs one)" if api_keys else "no API key")
+        origins = ", ".join(serve.cors_origins) if serve.cors_origins else "none"
+        print(f"jllama: {keys}; CORS origins: {origins}", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -11,10 +11,13 @@ choices). `n` asks for several choices (`jllama.server.choices`: choice i sample
 a stream's chunks carry each choice's index). `response_format` and `tools` constrain the reply
 (`jllama.server.structured`, `jllama.server.tools`); a call comes back as `tool_calls`
 (`jllama.server.tool_reply`). Every refusal is OpenAI's error JSON
-(`jllama.server.errors.APIError`) with its status: 400 for a bad field (named in `param`), 404 for an unknown model or path, 405 for a
-wrong method, 413 for a body over the limit (at once when its declared length is), 415 for a
-body that is not JSON by its Content-Type (`jllama.server.request_head`), 503 when the queue
-is full. A path with a trailing slash is the path without it.
+(`jllama.server.errors.APIError`) with its status: 400 for a bad field (named in `param`), 404
+for an unknown model or path, 405 for a wrong method, 413 for a body over the limit (at once
+when its declared length is), 415 for a body that is not JSON by its Content-Type
+(`jllama.server.request_head`), 503 when the queue is full, 401 without an API key where the
+server has keys (`jllama.server.access`, with CORS). A path with a trailing slash is the path
+without it; the API's paths are answered without their /v1 prefix too. Completions and chat
+completions carry a `system_fingerprint`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import secrets
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,13 +35,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jllama.chat import ChatTemplate
 from jllama.errors import JllamaError
+from jllama.server.access import add_access_control
 from jllama.server.anthropic import add_anthropic_routes
 from jllama.server.chat_run import ChatRun, ChatService
 from jllama.server.choices import Choices, choice_samplers, usage
 from jllama.server.engine import Engine, Failed, Job, Text
 from jllama.server.errors import APIError
-from jllama.server.payloads import TextOffsets, chat_logprobs, completion_logprobs
-from jllama.server.request_head import TrailingSlashes
+from jllama.server.payloads import (
+    TextOffsets,
+    chat_logprobs,
+    completion_logprobs,
+    system_fingerprint,
+)
+from jllama.server.request_head import TrailingSlashes, VersionPrefix
 from jllama.server.responses import add_responses_routes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from jllama.server.structured import response_format_grammar
@@ -57,7 +66,8 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout_s: float = BODY_TIMEOUT_S, api_keys: Sequence[str] = (),
+               cors_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI application serving `engine`'s model under the name `model_id`.
 
     Args:
@@ -66,11 +76,15 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
       max_body_bytes: the largest request body accepted, bytes (larger: 413, at once when the
         declared Content-Length is).
       body_timeout_s: seconds a request's body may take to arrive (slower: 408).
+      api_keys: the keys a request must bring (none: no check); cors_origins: the web
+        origins whose scripts may read the answers ("*": any; none: no CORS headers)
+        (`jllama.server.access`).
     """
     model = engine.model
     tokenizer = model.tokenizer
     seq_len = model.config.seq_len
     created = int(time.time())
+    fingerprint = system_fingerprint(model, engine.session.backend)
     template = None
     if model.chat_template:
         template = ChatTemplate.for_tokenizer(model.chat_template, tokenizer, source=model.source)
@@ -80,6 +94,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     app = FastAPI(title="jllama", docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
     app.add_middleware(TrailingSlashes)
+    app.add_middleware(VersionPrefix)  # /chat/completions is /v1/chat/completions
+    add_access_control(app, api_keys, cors_origins)  # outermost: keys, then CORS
     # Submitted jobs, until their requests end (keyed by id: a Job compares by value).
     live: weakref.WeakValueDictionary[int, Job] = weakref.WeakValueDictionary()
 
@@ -217,7 +233,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
 
     def head(ident: str, kind: str, now: int) -> dict:
         """The fields every response object and chunk of a request starts with."""
-        return {"id": ident, "object": kind, "created": now, "model": model_id}
+        return {"id": ident, "object": kind, "created": now, "model": model_id,
+                "system_fingerprint": fingerprint}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -1,12 +1,31 @@
-"""Pieces of OpenAI's response objects: `usage` and the two shapes of `logprobs` (chat's
-`{"content": [...]}` and the legacy completions' parallel lists)."""
+"""Pieces of OpenAI's response objects: `system_fingerprint`, `usage` and the two shapes of
+`logprobs` (chat's `{"content": [...]}` and the legacy completions' parallel lists)."""
 
 from __future__ import annotations
 
 import codecs
+import hashlib
+import os
 
 from jllama.server.engine import Done, TokenLogprob
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest
+
+
+def system_fingerprint(model, backend) -> str:
+    """OpenAI's `system_fingerprint`: "jllama-VERSION-HASH", HASH 10 hex digits of a SHA-256 of
+    what, besides a request, decides its reply: the model's configuration (its context
+    included), file format, checkpoint file name and size, and the backend (its `name`). It
+    changes when any of them does, as OpenAI's changes with the backend's configuration (not a
+    hash of the weights: reading gigabytes at every start costs too much)."""
+    from jllama import __version__
+
+    try:
+        size = os.path.getsize(model.source)
+    except (OSError, TypeError):
+        size = None
+    facts = repr((model.config, model.file_format, os.path.basename(str(model.source)), size,
+                  getattr(backend, "name", type(backend).__name__)))
+    return f"jllama-{__version__}-{hashlib.sha256(facts.encode()).hexdigest()[:10]}"
 
 
 def usage(done: Done) -> dict:

@@ -2,6 +2,8 @@
 route of a path with a trailing slash, and whether a body's declared length and type can be
 read at all.
 
+The API's paths are answered without their `/v1` prefix too (`VersionPrefix`).
+
 Trailing slashes are routed, not refused: `POST /v1/completions/` is answered by the handler of
 `POST /v1/completions`. Starlette's default is a 307 with an empty body (vLLM's server, also
 FastAPI, answers so), which a client that does not follow redirects reports as an empty reply;
@@ -47,6 +49,31 @@ class TrailingSlashes:
             raw = scope.get("raw_path")
             if raw:
                 scope["raw_path"] = raw.rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
+
+
+API_PATHS = ("/chat/completions", "/completions", "/models", "/responses", "/messages")
+"""The API's resources under /v1 that are answered without the prefix too (and what is below
+them: /models/{id}, /messages/count_tokens)."""
+
+
+class VersionPrefix:
+    """ASGI middleware routing a path of `API_PATHS` given without its `/v1` prefix as the path
+    with it (`POST /chat/completions` is `POST /v1/chat/completions`), as llama.cpp's server
+    answers both: clients configured with the server's root as their base URL work."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        bare = path.rstrip("/")
+        if scope["type"] == "http" and any(bare == p or bare.startswith(p + "/")
+                                           for p in API_PATHS):
+            scope = {**scope, "path": "/v1" + path}
+            raw = scope.get("raw_path")
+            if raw:
+                scope["raw_path"] = b"/v1" + raw
         await self.app(scope, receive, send)
 
 
