@@ -59,7 +59,8 @@ def make_server(engine, model_id: str, sock: socket.socket, head_timeout_s: floa
                 **app_options):
     """A `uvicorn.Server` for `engine`'s model on the bound socket `sock` (not started).
     head_timeout_s: seconds a client has to send a request's head (None: HEAD_TIMEOUT_S of
-    `jllama.server.protocol`); app_options: `create_app`'s (max_body_bytes, body_timeout_s)."""
+    `jllama.server.protocol`); app_options: `create_app`'s (max_body_bytes, body_timeout_s,
+    webui)."""
     import uvicorn
 
     from jllama.server.app import create_app
@@ -101,7 +102,7 @@ class ServerThread:
       host, port: where to listen (port 0: a free port; see `url`).
       draft, draft_tokens: speculative decoding of greedy requests (`Session`'s).
       **app_options: for `make_server` and `create_app` (max_body_bytes, head_timeout_s,
-        body_timeout_s).
+        body_timeout_s, webui: the chat page at `/`, on unless False).
 
     Usage:
       with ServerThread(model, backend, "stories260K") as server:

@@ -37,6 +37,7 @@ from jllama.chat import ChatTemplate
 from jllama.errors import JllamaError
 from jllama.server.access import add_access_control
 from jllama.server.anthropic import add_anthropic_routes
+from jllama.server.chat_page import add_chat_page_routes
 from jllama.server.chat_run import ChatRun, ChatService
 from jllama.server.choices import Choices, choice_samplers, usage
 from jllama.server.engine import Engine, Failed, Job, Text
@@ -66,8 +67,8 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S, api_keys: Sequence[str] = (),
-               cors_origins: Sequence[str] = ()) -> FastAPI:
+               body_timeout_s: float = BODY_TIMEOUT_S, webui: bool = True,
+               api_keys: Sequence[str] = (), cors_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI application serving `engine`'s model under the name `model_id`.
 
     Args:
@@ -76,6 +77,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
       max_body_bytes: the largest request body accepted, bytes (larger: 413, at once when the
         declared Content-Length is).
       body_timeout_s: seconds a request's body may take to arrive (slower: 408).
+      webui: serve the chat page at `GET /` (`jllama.server.chat_page`).
       api_keys: the keys a request must bring (none: no check); cors_origins: the web
         origins whose scripts may read the answers ("*": any; none: no CORS headers)
         (`jllama.server.access`).
@@ -146,7 +148,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         return app.api_route(path, methods=["GET", "HEAD"])
 
     def model_card() -> dict:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "jllama"}
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "jllama",
+                "context_length": seq_len}  # not OpenAI's: the chat page shows it
 
     @get("/health")
     async def health():
@@ -369,6 +372,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                        count_chat, start_chat)
     add_responses_routes(app, chat)  # OpenAI's Responses API
     add_anthropic_routes(app, chat)  # Anthropic's Messages API
+    if webui:
+        add_chat_page_routes(get)  # the chat page at GET /
     return app
 
 
