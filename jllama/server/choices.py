@@ -2,8 +2,8 @@
 that generate them, merged.
 
 Each choice is a sequence of its own after the request's prompt. Choice i samples with the
-request's seed + i (`jllama.server.schema._Sampling.sampler_config`), so its tokens are those of
-a request with n=1 and seed + i; a request with n > 1 and no seed draws a random base seed, so
+request's seed + i (the `sampler_config` of `jllama.server.schema`'s requests), so its tokens
+are those of a request with n=1 and seed + i; a request with n > 1 and no seed draws a random base seed, so
 its choices differ. A greedy request (temperature 0) generates one sequence whose events go to
 every choice: its n choices are equal by construction, for the work of one.
 
@@ -27,11 +27,12 @@ from fastapi import Request
 from jllama.sampling import SamplerConfig
 from jllama.server.engine import Done, Failed, Job, Text, TokenLogprob
 from jllama.server.errors import APIError
-from jllama.server.schema import _Sampling
-from jllama.server.transport import _disconnect
+from jllama.server.schema import ChatCompletionRequest, CompletionRequest
+from jllama.server.transport import disconnected
 
 
-def choice_samplers(body: _Sampling, vocab_size: int) -> list[SamplerConfig]:
+def choice_samplers(body: CompletionRequest | ChatCompletionRequest,
+                    vocab_size: int) -> list[SamplerConfig]:
     """The samplers of the sequences a request generates: one when n is 1 or the request is
     greedy (its choices share that sequence), else n, choice i's with seed + i.
 
@@ -128,7 +129,7 @@ class Choices:
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
         dones: list[Done | None] = [None] * self.n
         merged, tasks = self._merged()
-        gone = asyncio.ensure_future(_disconnect(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             left = len(self.jobs)
             while left:

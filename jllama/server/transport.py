@@ -64,7 +64,7 @@ async def events_of(job: Job) -> AsyncIterator[Text | Done]:
             return
 
 
-async def _disconnect(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Returns when the client closes the connection. The body has been read, so the next
     ASGI message is the disconnect: waiting for it notices at once, where polling
     `is_disconnected` between events never ran while the events kept coming (a non-streamed
@@ -78,7 +78,7 @@ async def collect(request: Request, job: Job) -> tuple[list[str], list[TokenLogp
     worker stops before its next token)."""
     texts: list[str] = []
     logprobs: list[TokenLogprob] = []
-    gone = asyncio.ensure_future(_disconnect(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         while True:
             event = asyncio.ensure_future(job.events.get())
