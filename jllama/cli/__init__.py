@@ -112,7 +112,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         from jllama import __version__
 
         _print_and_exit(f"jllama {__version__}")
-    argv = [argv[0]] + [_preset(arg) for arg in argv[1:]]
+    argv = [argv[0]] + [_no_underscore(_preset(arg)) for arg in argv[1:]]
     for i in range(1, len(argv) - 1):  # `--flagfile PATH`, as absl also takes it
         if argv[i] in ("--flagfile", "-flagfile"):
             argv[i:i + 2] = _preset(f"{argv[i]}={argv[i + 1]}").split("=", 1)
@@ -171,6 +171,15 @@ def _flag_error(e: absl_flags.Error) -> str:
             kind = "an integer" if isinstance(parser, absl_flags.IntegerParser) else "a number"
             return f"--{name}: {value!r} is not {kind}"
     return f"--{name}: {cause}"  # e.g. "-1 is not a non-negative integer"
+
+
+def _no_underscore(arg: str) -> str:
+    """`--no_NAME` for a boolean flag NAME is absl's `--noNAME` (`serve --no_webui`)."""
+    found = re.fullmatch(r"(--?)no_(\w+)", arg)
+    if (found and found[2] in FLAGS and f"no_{found[2]}" not in FLAGS
+            and isinstance(FLAGS[found[2]].parser, absl_flags.BooleanParser)):
+        return f"{found[1]}no{found[2]}"
+    return arg
 
 
 def _preset(arg: str) -> str:

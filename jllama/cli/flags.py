@@ -195,6 +195,10 @@ flags.DEFINE_integer(
     "max_waiting", 256, "serve: the most requests queued at once; more get HTTP 503.",
     lower_bound=1,
 )
+flags.DEFINE_bool(
+    "webui", True, "serve: the chat page at http://HOST:PORT/ (a static page over the API); "
+    "--no_webui leaves it out (404).",
+)
 flags.DEFINE_multi_string(
     "api_key", None, "serve: a key clients must send ('Authorization: Bearer KEY', or "
     "'x-api-key: KEY') on every route but /health and the chat page; repeat the flag or give "

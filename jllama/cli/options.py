@@ -106,8 +106,8 @@ REQUEST_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "pr
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
     """--host, --port, --model_name, --max_waiting, --parallel, the `REQUEST_FLAGS` given
-    on the command line (which the server does not take), and who may use the server:
-    --api_key, --api_key_file, --cors_origins."""
+    on the command line (which the server does not take), --webui (the chat page at `/`), and
+    who may use the server: --api_key, --api_key_file, --cors_origins."""
 
     host: str
     port: int
@@ -115,6 +115,7 @@ class ServeOptions:
     max_waiting: int
     parallel: int
     request_flags: tuple[str, ...] = ()
+    webui: bool = True
     api_keys: tuple[str, ...] = ()
     """--api_key's values as given (each a key or a comma-separated list; checked by
     `jllama.server.access.parse_api_keys` with --api_key_file's keys)."""
@@ -189,8 +190,8 @@ def from_flags() -> Options:
                          f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint()),
         serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting, f.parallel,
                            tuple(name for name in REQUEST_FLAGS if f[name].present),
-                           api_keys=tuple(f.api_key or ()), api_key_file=f.api_key_file,
-                           cors_origins=tuple(f.cors_origins or ())),
+                           f.webui, api_keys=tuple(f.api_key or ()),
+                           api_key_file=f.api_key_file, cors_origins=tuple(f.cors_origins or ())),
         perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len, f["ctx"].present),
         tools=ToolOptions(f.pieces, f.force, f.output, int(f.llama2c_version), f.group_size,
                           f["group_size"].present),

@@ -59,13 +59,15 @@ def main(options: Options) -> int:
     session = open_session(model, run, n_devices, device_sampling=False)
     engine = make_worker(session, serve.parallel, serve.max_waiting)
     name = model_id(options)
-    server = make_server(engine, name, sock, api_keys=api_keys,
+    server = make_server(engine, name, sock, webui=serve.webui, api_keys=api_keys,
                          cors_origins=serve.cors_origins)
     port = sock.getsockname()[1]
     chat = "chat and completions" if model.chat_template else "completions only, no chat template"
     slots = f"{serve.parallel} slots" if serve.parallel > 1 else "1 slot, first in first out"
     print(f"jllama: serving {name} ({chat}; context {model.config.seq_len} tokens, {slots}) at "
           f"http://{serve.host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    if serve.webui:
+        print(f"jllama: chat page: http://{serve.host}:{port}/", file=sys.stderr, flush=True)
     if api_keys or serve.cors_origins:
         keys = (f"{len(api_keys)} API key{'s' * (len(api_keys) > 1)} (every route but /health "
                 "and the chat page needs one)" if api_keys else "no API key")
