@@ -77,10 +77,14 @@ def test_a_missing_key_is_a_401_on_every_route_but_health(locked):
                              ("POST", "/v1/messages"), ("GET", "/v1/nothing")]:
             reply = http.request(method, path, json={"model": "m", "prompt": "a"})
             assert reply.status_code == 401, (path, reply.text)
-            assert reply.json()["error"]["code"] == "invalid_api_key"
-            assert reply.json()["error"]["message"] == (
-                "this server needs an API key: send it as 'Authorization: Bearer KEY' or "
-                "'x-api-key: KEY'")
+            message = ("this server needs an API key: send it as 'Authorization: Bearer KEY' "
+                       "or 'x-api-key: KEY'")
+            if path == "/v1/messages":  # Anthropic's error shape on its route
+                assert reply.json() == {"type": "error", "error": {
+                    "type": "authentication_error", "message": message}}
+            else:
+                assert reply.json()["error"]["code"] == "invalid_api_key"
+                assert reply.json()["error"]["message"] == message
             assert reply.headers["www-authenticate"] == "Bearer"
         assert http.get("/health").status_code == 200
         assert http.head("/health").status_code == 200
@@ -217,3 +221,20 @@ def test_jllama_serve_takes_keys_and_origins(tmp_path):
     missing = run("serve", "--port=0", f"--api_key_file={tmp_path / 'none'}")
     assert missing.returncode == 1
     assert missing.stderr.count("\n") == 1 and "--api_key_file=" in missing.stderr
+
+
+def test_the_anthropic_client_with_the_right_key_works_and_another_raises():
+    import anthropic
+
+    with _server(LLAMA32_TINY, api_keys=KEYS) as server:
+        messages = [{"role": "user", "content": "Hello"}]
+        with anthropic.Anthropic(base_url=server.url, api_key=KEYS[1], max_retries=0,
+                                 timeout=60) as client:
+            reply = client.messages.create(model="m", max_tokens=4, messages=messages)
+            assert reply.type == "message" and reply.usage.output_tokens >= 1
+        with anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0,
+                                 timeout=60) as client, \
+                pytest.raises(anthropic.AuthenticationError) as error:
+            client.messages.create(model="m", max_tokens=4, messages=messages)
+        assert error.value.status_code == 401
+        assert error.value.body["error"]["type"] == "authentication_error"

@@ -5,7 +5,8 @@ API keys. With keys given, every request but `PUBLIC_PATHS` (the health check an
 page, which holds no model output) needs one of them, as OpenAI's API does
 (`Authorization: Bearer KEY`) or as Anthropic's does (`x-api-key: KEY`), on any route. A
 request without one, or with another, gets a 401 in OpenAI's error shape, code
-"invalid_api_key" (the key given is never echoed). Keys are compared in constant time.
+"invalid_api_key" (in Anthropic's, type authentication_error, on its /v1/messages routes; the
+key given is never echoed). Keys are compared in constant time.
 
 CORS. A browser lets a script of another origin (a web page the user opened) read this
 server's answers only where the answer names that origin: `--cors_origins` lists the origins
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jllama.errors import JllamaError
+from jllama.server.anthropic import error_body as anthropic_error_body
 from jllama.server.errors import APIError
 
 PUBLIC_PATHS = ("/health", "/", "/index.html")
@@ -116,8 +118,11 @@ class ApiKeys:
             message = ("this server needs an API key: send it as 'Authorization: Bearer KEY' "
                        "or 'x-api-key: KEY'")
         error = APIError(401, message, code="invalid_api_key")
-        response = JSONResponse(error.body(), status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
+        path = scope.get("path", "")
+        # Each API's own error shape: Anthropic's on its Messages routes, OpenAI's elsewhere.
+        body = (anthropic_error_body(error) if path.startswith(("/v1/messages", "/messages"))
+                else error.body())
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
     @staticmethod
