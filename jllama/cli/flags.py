@@ -186,6 +186,14 @@ flags.DEFINE_string(
     "model_name", None, "serve: the name clients give as `model` (default: the checkpoint's "
     "name, e.g. stories260K or smollm2).",
 )
+flags.DEFINE_multi_string(
+    "model", None, "serve: another model to serve as NAME=CHECKPOINT (repeatable), chosen by "
+    "a request's `model`; loaded on first use (--checkpoint's model, the default, at start).",
+)
+flags.DEFINE_integer(
+    "models_max_loaded", 0, "serve: with --model, the most models loaded at once; the least "
+    "recently used idle one is unloaded to load another (0 = no limit).", lower_bound=0,
+)
 flags.DEFINE_integer(
     "parallel", 4, "serve, batch: requests generated at once, each in its own KV cache (slot), taking "
     "turns a token at a time; a new request reuses the prompt prefix a free slot holds. 1 = "

@@ -121,6 +121,9 @@ class ServeOptions:
     `jllama.server.access.parse_api_keys` with --api_key_file's keys)."""
     api_key_file: str | None = None
     cors_origins: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    """--model's NAME=CHECKPOINT values (more models than --checkpoint's)."""
+    models_max_loaded: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +194,9 @@ def from_flags() -> Options:
         serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting, f.parallel,
                            tuple(name for name in REQUEST_FLAGS if f[name].present),
                            f.webui, api_keys=tuple(f.api_key or ()),
-                           api_key_file=f.api_key_file, cors_origins=tuple(f.cors_origins or ())),
+                           api_key_file=f.api_key_file, cors_origins=tuple(f.cors_origins or ()),
+                           models=tuple(f.model or ()),
+                           models_max_loaded=f.models_max_loaded),
         perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len, f["ctx"].present),
         tools=ToolOptions(f.pieces, f.force, f.output, int(f.llama2c_version), f.group_size,
                           f["group_size"].present),

@@ -5,6 +5,8 @@
   engine.py   the model worker thread and its first-in, first-out queue
   app.py      the FastAPI routes, server-sent events
   request_head.py  what a request's head decides: trailing slashes, body length and type
+  models.py   several models (serve --model NAME=CHECKPOINT): the request's `model` picks
+              one; loaded on first use, the least recently used idle one unloaded
 
 `ServerThread` runs the server in a background thread of this process (tests, notebooks);
 `jllama serve` runs it in the foreground.
@@ -56,17 +58,19 @@ def make_worker(session, parallel: int = 1, max_waiting: int = 256):
 
 
 def make_server(engine, model_id: str, sock: socket.socket, head_timeout_s: float | None = None,
-                **app_options):
+                app=None, **app_options):
     """A `uvicorn.Server` for `engine`'s model on the bound socket `sock` (not started).
     head_timeout_s: seconds a client has to send a request's head (None: HEAD_TIMEOUT_S of
     `jllama.server.protocol`); app_options: `create_app`'s (max_body_bytes, body_timeout_s,
-    webui)."""
+    webui). app: the ASGI application to serve instead of `create_app`'s (several models:
+    a `jllama.server.models.ModelRouter`; engine and model_id unused)."""
     import uvicorn
 
     from jllama.server.app import create_app
     from jllama.server.protocol import HEAD_TIMEOUT_S, timed_protocol
 
-    app = create_app(engine, model_id, **app_options)
+    if app is None:
+        app = create_app(engine, model_id, **app_options)
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
         h11_max_incomplete_event_size=64 * 1024,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import secrets
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,7 +68,8 @@ def _error_response(error: APIError) -> JSONResponse:
 
 def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYTES,
                body_timeout_s: float = BODY_TIMEOUT_S, webui: bool = True,
-               api_keys: Sequence[str] = (), cors_origins: Sequence[str] = ()) -> FastAPI:
+               api_keys: Sequence[str] = (), cors_origins: Sequence[str] = (),
+               catalog: Callable[[], list[dict]] | None = None) -> FastAPI:
     """The FastAPI application serving `engine`'s model under the name `model_id`.
 
     Args:
@@ -81,6 +82,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
       api_keys: the keys a request must bring (none: no check); cors_origins: the web
         origins whose scripts may read the answers ("*": any; none: no CORS headers)
         (`jllama.server.access`).
+      catalog: every model's card where the server serves several
+        (`jllama.server.models.ModelRouter.catalog`), for /v1/models; None: this one.
     """
     model = engine.model
     tokenizer = model.tokenizer
@@ -163,19 +166,25 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     async def metrics():
         return Response(engine.metrics.exposition(), media_type=engine.metrics.content_type)
 
+    def cards() -> list[dict]:
+        return [card if card["id"] != model_id else model_card()
+                for card in catalog()] if catalog else [model_card()]
+
     @get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": cards()}
 
     @get("/v1/models/{name:path}")
     async def one_model(name: str):
-        if name != model_id:
+        card = next((card for card in cards() if card["id"] == name), None)
+        if card is None:
             raise _unknown_model(name)
-        return model_card()
+        return card
 
     def _unknown_model(name: str) -> APIError:
+        served = ", ".join(repr(card["id"]) for card in cards())
         return APIError(
-            404, f"the model {name!r} does not exist; this server serves {model_id!r}",
+            404, f"the model {name!r} does not exist; this server serves {served}",
             param="model", code="model_not_found",
         )
 
