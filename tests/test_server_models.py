@@ -207,3 +207,18 @@ def test_jllama_serve_with_two_models(smollm2_gguf, alone):
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
+
+
+def test_a_request_without_the_key_loads_no_model(models):
+    """With API keys, naming an unloaded model without a key is a 401 from a loaded model's
+    app and loads nothing (a stranger cannot make the server load models)."""
+    loaders = Loaders(models)
+    router = ModelRouter(loaders, STORIES, 0, api_keys=("sk-key",))
+    with RouterThread(router) as server:
+        path, body = REQUESTS[SMOL]
+        reply = httpx.post(server.url + path, json=body, timeout=TIMEOUT)
+        assert reply.status_code == 401
+        assert router.loaded == [STORIES] and router.loads[SMOL] == 0
+        reply = httpx.post(server.url + path, json=body, timeout=TIMEOUT,
+                           headers={"Authorization": "Bearer sk-key"})
+        assert reply.status_code == 200 and router.loads[SMOL] == 1

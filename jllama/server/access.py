@@ -95,6 +95,10 @@ class ApiKeys:
         self.app = app
         self._keys = [key.encode() for key in keys]
 
+    def admits(self, scope: Scope) -> bool:
+        """Whether the request of `scope` presents one of the keys."""
+        return any(self._accepts(key) for key in presented_keys(Headers(scope=scope)))
+
     def _accepts(self, key: str) -> bool:
         given = key.encode("utf-8", "replace")
         # Every key compared, in constant time each: no early exit tells which one matched.

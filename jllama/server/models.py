@@ -31,6 +31,7 @@ from types import SimpleNamespace
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
+from jllama.server.access import ApiKeys
 from jllama.server.errors import APIError
 from jllama.server.transport import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
@@ -94,6 +95,7 @@ class ModelRouter:
         self.unloads: Counter[str] = Counter()
         self.created = int(time.time())
         self.state = SimpleNamespace(end_streams=self.end_streams)
+        self._keys: ApiKeys | None = None  # the key check, made at the first request
 
     # The table of models.
 
@@ -273,6 +275,15 @@ class ModelRouter:
             return None, replay
         return (name if isinstance(name, str) else None), replay
 
+    def _admits(self, scope) -> bool:
+        """Whether `scope` presents one of the API keys (True where there are none)."""
+        keys = self.app_options.get("api_keys") or ()
+        if not keys:
+            return True
+        if self._keys is None:
+            self._keys = ApiKeys(None, keys)
+        return self._keys.admits(scope)
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             while True:
@@ -286,6 +297,9 @@ class ModelRouter:
             else (None, receive)
         if name not in self.loaders:
             name = await self._any()  # its app answers (an unknown model: 404)
+        elif name not in self.loaded and not self._admits(scope):
+            # No load for a request without a key: a loaded model's app answers its 401.
+            name = await self._any()
         try:
             entry = await self.acquire(name)
         except Exception as e:  # noqa: BLE001 (the model failed to load: a 500 says why)
