@@ -70,26 +70,25 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
     # `(o if (o := value).__class__ is str else str(environment.finalize(o)))`.
 
     def _output_child_pre(self, node, frame, finalize) -> None:
-        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
-            super()._output_child_pre(node, frame, finalize)
-            return
-        if _is_text(node):
-            self.write("(")
-            return
-        self._output_names = getattr(self, "_output_names", [])
-        name = self.temporary_identifier()
-        self._output_names.append(name)
-        self.write(f"({name} if ({name} := ")
+        self._output_child(node, frame, finalize, before=True)
 
     def _output_child_post(self, node, frame, finalize) -> None:
+        self._output_child(node, frame, finalize, before=False)
+
+    def _output_child(self, node, frame, finalize, before: bool) -> None:
+        """The code written before (`before`) or after an output expression."""
         if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
-            super()._output_child_post(node, frame, finalize)
-            return
-        if _is_text(node):
-            self.write(")")
-            return
-        name = self._output_names.pop()
-        self.write(f").__class__ is str else str(environment.finalize({name})))")
+            jinjas = super()._output_child_pre if before else super()._output_child_post
+            jinjas(node, frame, finalize)
+        elif _is_text(node):
+            self.write("(" if before else ")")
+        elif before:
+            name = self.temporary_identifier()
+            self.__dict__.setdefault("_output_names", []).append(name)
+            self.write(f"({name} if ({name} := ")
+        else:
+            name = self._output_names.pop()
+            self.write(f").__class__ is str else str(environment.finalize({name})))")
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
         self.write("environment.bounded_concat((")
