@@ -71,17 +71,19 @@ class GenerationStats:
         (`jllama.generation.speculative`), tokens drafted and drafted tokens accepted, tokens.
     """
 
+    # What was fed and made, tokens.
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    decode_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    # Where the time went, seconds.
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    decode_steps: int = 0
     first_token_seconds: float = 0.0
     startup_seconds: float = 0.0
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
 
     @property
     def acceptance(self) -> float:
