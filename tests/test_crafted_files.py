@@ -68,7 +68,7 @@ def test_batch_prompts_file(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\n{" + '"prompt": ' + DEEP + "}\n")
     _assert_one_line_error(run("batch", f"--file={prompts}", "--steps=2"),
-                           "line 2 is not valid JSON", "nested too deeply")
+                           "line 2 (index 1): not valid JSON", "nested too deeply")
 
 
 @pytest.mark.parametrize("where, huge", [

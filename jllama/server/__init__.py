@@ -73,6 +73,9 @@ def make_server(engine, model_id: str, sock: socket.socket, head_timeout_s: floa
         app = create_app(engine, model_id, **app_options)
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+        # No WebSocket routes: an Upgrade is a plain HTTP request here (with wsproto
+        # installed, as selenium brings it, uvicorn would take it and answer 403, no body).
+        ws="none",
         h11_max_incomplete_event_size=64 * 1024,
         http=timed_protocol(HEAD_TIMEOUT_S if head_timeout_s is None else head_timeout_s),
     )
