@@ -320,14 +320,13 @@ ffi::Error MatvecBatchInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix s
                                  F32Matrix x, S32Scalar count, ffi::RemainingArgs extra,
                                  F32MatrixResult y, int32_t prologue, float eps,
                                  int32_t residual) {
-  const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
-  const int64_t groups = scale.dimensions()[1];
-  if (scale.dimensions()[0] != m || groups < 1 || n % groups != 0)
-    return ffi::Error::InvalidArgument(
-        "jllama matvec_batch_int8_groups: scale must be f32[m, G] with G dividing n");
-  Product p{rows_batch_int8_groups, q.typed_data(), scale.typed_data(), nullptr, nullptr, n,
-            groups};
-  p.weights(q.untyped_data(), m, n);
+  Product p{};
+  if (ffi::Error e = int8_groups_product("matvec_batch_int8_groups", q, scale,
+                                         rows_batch_int8_groups, &p);
+      e.failure())
+    return e;
+  const int64_t m = q.dimensions()[0];
+  p.weights(q.untyped_data(), m, p.n);
   return batch_product(pool, p, m, x, count, extra, y, prologue, eps, residual);
 }
 
@@ -341,17 +340,15 @@ ffi::Error MatvecBatchGgml(ffi::ThreadPool pool, F32Matrix x, S32Scalar count,
                            int32_t residual) {
   const int64_t n = x.dimensions()[1];
   GgmlProduct g{};
-  int64_t m, bytes;
-  bool integer;
-  if (ffi::Error e = ggml_parts(args, types, n, g, &m, &bytes, &integer); e.failure()) return e;
+  if (ffi::Error e = ggml_parts(args, types, n, g); e.failure()) return e;
   BatchInput in;
-  if (ffi::Error e = batch_input(m, n, x, count, args, types.size(), y, prologue, eps, residual,
+  if (ffi::Error e = batch_input(g.m, n, x, count, args, types.size(), y, prologue, eps, residual,
                                  in);
       e.failure())
     return e;
   float* out = y->typed_data();
-  if (in.live > 0) ggml_matmul(pool, g, m, bytes, n, in.live, in.x, out);
-  batch_output(in, m, out);
+  if (in.live > 0) ggml_matmul(pool, g, in.live, in.x, out);
+  batch_output(in, g.m, out);
   return ffi::Error::Success();
 }
 

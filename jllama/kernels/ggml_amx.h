@@ -142,6 +142,22 @@ inline void amx_block(const int8_t* q, int64_t stride, const int64_t* at, AmxScr
   amx_scale(s.c[1], scale[S - 1], part);
 }
 
+// A super-block's pass over the 16-token blocks of x (their q `stride` bytes apart): for each,
+// the products of its S sub-blocks (`amx_block`, whose weight tiles are in s.b, at and scale
+// as there), then each token's running sums s.acc[t] = step(s.acc[t], part[t], x[t]).
+template <int S, typename Step>
+inline void amx_blocks(const Activations* x, int64_t stride, int64_t blocks, const int64_t* at,
+                       const __m512* scale, AmxScratch& s, Step step) {
+  __m512 part[16];
+  for (int64_t i = 0; i < blocks; ++i) {
+    amx_block<S>(x[16 * i].q, stride, at, s, scale, part);
+    for (int t = 0; t < 16; ++t) {
+      float* a = s.acc.data() + 16 * (16 * i + t);
+      _mm512_storeu_ps(a, step(_mm512_loadu_ps(a), part[t], x[16 * i + t]));
+    }
+  }
+}
+
 // Rows r .. r + 15 (groups at w and w + pair) times tokens 0 .. 16 * blocks - 1 of x (their q
 // `stride` bytes apart): y[t * ldy + 0 .. 15] = what x16_dot_n gives for token t, bit for bit.
 // Q4_K, Q5_K and Q6_K (`amx_k`).
@@ -153,27 +169,13 @@ inline void amx_pair(const uint8_t* w, int64_t pair, const Activations* x, int64
   using I = __m512i;
   const int64_t tokens = 16 * blocks, n = x[0].n;
   s.acc.assign(16 * tokens, 0.0f);
-  float* acc = s.acc.data();
   const I low4 = V::set8(0x0F);
-  F part[16];
   if constexpr (T == Q4_K || T == Q5_K) {
     constexpr bool five = T == Q5_K;
     constexpr int64_t qs_at = five ? 384 : 128, tile = five ? 1408 : 1152;
-    constexpr uint64_t m6 = 0x3F3F3F3F3F3F3F3Full, m4 = 0x0F0F0F0F0F0F0F0Full;
-    constexpr uint64_t m2 = 0x0303030303030303ull;
     for (int64_t sb = 0; sb < n / 256; ++sb, w += tile) {
-      uint64_t p[12][2], sc[8][2], mn[8][2];
-      for (int i = 0; i < 12; ++i) row_bytes<V>(w, pair, 32 + 8 * i, p[i]);
-      for (int g = 0; g < 2; ++g)
-        for (int j = 0; j < 8; ++j) {
-          if (j < 4) {
-            sc[j][g] = p[j][g] & m6;
-            mn[j][g] = p[j + 4][g] & m6;
-          } else {
-            sc[j][g] = (p[j + 4][g] & m4) | (((p[j - 4][g] >> 6) & m2) << 4);
-            mn[j][g] = ((p[j + 4][g] >> 4) & m4) | (((p[j][g] >> 6) & m2) << 4);
-          }
-        }
+      uint64_t sc[8][2], mn[8][2];
+      scales_mins<V>(w, pair, sc, mn);
       const F d = V::halves(w, pair, 0), dmin = V::halves(w, pair, 16);
       F dsc[8];
       int64_t at[8];
@@ -190,20 +192,9 @@ inline void amx_pair(const uint8_t* w, int64_t pair, const Activations* x, int64
       }
       I mins[4];
       for (int k = 0; k < 4; ++k) mins[k] = V::template pairs<false>(mn[2 * k], mn[2 * k + 1]);
-      for (int64_t i = 0; i < blocks; ++i) {
-        amx_block<8>(x[16 * i].q, stride, at, s, dsc, part);
-        for (int t = 0; t < 16; ++t) {
-          const Activations& xt = x[16 * i + t];
-          const int16_t* s32 = xt.s32 + 8 * sb;
-          I msum = V::zero();
-          for (int k = 0; k < 4; ++k)
-            msum = V::dpw(msum, mins[k], V::set1(pair32(s32 + 2 * k)));
-          const F dx = V::fset1(xt.d[8 * sb]);
-          float* a = acc + 16 * (16 * i + t);
-          F v = V::fma(part[t], dx, _mm512_loadu_ps(a));
-          _mm512_storeu_ps(a, V::fnma(V::mul(dmin, V::cvt(msum)), dx, v));
-        }
-      }
+      amx_blocks<8>(x, stride, blocks, at, dsc, s, [&](F a, F part, const Activations& xt) {
+        return k4_step<V>(a, part, dmin, mins, xt, sb);
+      });
     }
   } else if constexpr (T == Q6_K) {
     const I three = V::set8(3);
@@ -229,21 +220,12 @@ inline void amx_pair(const uint8_t* w, int64_t pair, const Activations* x, int64
       I sc16[8];
       for (int k = 0; k < 8; ++k) sc16[k] = V::template pairs<true>(scales[2 * k], scales[2 * k + 1]);
       const F d = V::halves(w, pair, 0);
-      for (int64_t i = 0; i < blocks; ++i) {
-        amx_block<16>(x[16 * i].q, stride, at, s, sc, part);
-        for (int t = 0; t < 16; ++t) {
-          const Activations& xt = x[16 * i + t];
-          const int16_t* s16 = xt.s16 + 16 * sb;
-          I off = V::zero();
-          for (int k = 0; k < 8; ++k)
-            off = V::dpw(off, sc16[k], V::set1(pair32(s16 + 2 * k)));
-          const F whole = V::fnma(V::cvt(off), V::fset1(32.0f), part[t]);
-          float* a = acc + 16 * (16 * i + t);
-          _mm512_storeu_ps(a, V::fma(whole, V::mul(d, V::fset1(xt.d[8 * sb])), _mm512_loadu_ps(a)));
-        }
-      }
+      amx_blocks<16>(x, stride, blocks, at, sc, s, [&](F a, F part, const Activations& xt) {
+        return k6_step<V>(a, part, d, sc16, xt, sb);
+      });
     }
   }
+  const float* acc = s.acc.data();
   for (int64_t t = 0; t < tokens; ++t) _mm512_storeu_ps(y + t * ldy, _mm512_loadu_ps(acc + 16 * t));
 }
 

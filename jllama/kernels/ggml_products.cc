@@ -28,6 +28,8 @@ struct GgmlProduct {
   GgmlPart parts[kMaxParts];
   int n_parts;
   int64_t unit;  // rows per unit of work: 8 when a part is in an x8 layout (a group), else 1
+  int64_t m, bytes;  // the rows of all parts, and their weights' bytes
+  bool integer;      // whether some part has an integer type (x is quantized for it)
   int64_t n;
   const float* x;  // f32[n], after the prologue
   // x quantized as llama.cpp quantizes it for each part's type (`ggml::activation_kind`), the
@@ -82,33 +84,19 @@ void ggml_groups(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int6
 #endif
 }
 
+// Rows [begin, end) of a part: in groups where it has an x8 layout, else row by row (an id of
+// neither kind is refused by the handler before any row runs).
 template <bool Stream>
 void ggml_part_rows(const GgmlProduct& g, const GgmlPart& part, int64_t begin, int64_t end) {
-  constexpr int32_t X = ggml::kX8;
-  switch (part.type) {
-    case X + ggml::Q8_0: return ggml_groups<ggml::Q8_0, Stream>(g, part, begin, end);
-    case X + ggml::Q4_0: return ggml_groups<ggml::Q4_0, Stream>(g, part, begin, end);
-    case X + ggml::Q4_1: return ggml_groups<ggml::Q4_1, Stream>(g, part, begin, end);
-    case X + ggml::Q5_0: return ggml_groups<ggml::Q5_0, Stream>(g, part, begin, end);
-    case X + ggml::Q5_1: return ggml_groups<ggml::Q5_1, Stream>(g, part, begin, end);
-    case X + ggml::Q4_K: return ggml_groups<ggml::Q4_K, Stream>(g, part, begin, end);
-    case X + ggml::Q5_K: return ggml_groups<ggml::Q5_K, Stream>(g, part, begin, end);
-    case X + ggml::Q6_K: return ggml_groups<ggml::Q6_K, Stream>(g, part, begin, end);
-    case ggml::F32: return ggml_rows<ggml::F32, Stream>(g, part, begin, end);
-    case ggml::F16: return ggml_rows<ggml::F16, Stream>(g, part, begin, end);
-    case ggml::BF16: return ggml_rows<ggml::BF16, Stream>(g, part, begin, end);
-    case ggml::Q8_0: return ggml_rows<ggml::Q8_0, Stream>(g, part, begin, end);
-    case ggml::Q4_0: return ggml_rows<ggml::Q4_0, Stream>(g, part, begin, end);
-    case ggml::Q4_1: return ggml_rows<ggml::Q4_1, Stream>(g, part, begin, end);
-    case ggml::Q5_0: return ggml_rows<ggml::Q5_0, Stream>(g, part, begin, end);
-    case ggml::Q5_1: return ggml_rows<ggml::Q5_1, Stream>(g, part, begin, end);
-    case ggml::Q2_K: return ggml_rows<ggml::Q2_K, Stream>(g, part, begin, end);
-    case ggml::Q3_K: return ggml_rows<ggml::Q3_K, Stream>(g, part, begin, end);
-    case ggml::Q4_K: return ggml_rows<ggml::Q4_K, Stream>(g, part, begin, end);
-    case ggml::Q5_K: return ggml_rows<ggml::Q5_K, Stream>(g, part, begin, end);
-    case ggml::Q6_K: return ggml_rows<ggml::Q6_K, Stream>(g, part, begin, end);
-    default: return;  // refused by the handler before any row runs
+  using namespace ggml;
+  if (x8_type(part.type)) {
+    with_x8_type(part.type - kX8, [&](auto t) {
+      ggml_groups<decltype(t)::value, Stream>(g, part, begin, end);
+    });
+    return;
   }
+  with_type<F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(
+      part.type, [&](auto t) { ggml_rows<decltype(t)::value, Stream>(g, part, begin, end); });
 }
 
 // Calls f(part, lo, hi) for each part with rows in [begin, end): [lo, hi) are those rows.
@@ -131,14 +119,14 @@ void rows_ggml(const Product& p, int64_t begin, int64_t end) {
 }
 
 // Checks the parts (args[0 .. types.size() - 1], u8[rows, row_bytes] each) against x's length n
-// and fills g.parts and g.unit (8 rows when a part is in an x8 layout: then every part's rows
-// must be a multiple of 8); *m gets the rows in all, *bytes the weights' bytes.
+// and fills g.parts, g.unit (8 rows when a part is in an x8 layout: then every part's rows must
+// be a multiple of 8), g.m, g.bytes, g.integer and g.n.
 ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, int64_t n,
-                      GgmlProduct& g, int64_t* m, int64_t* bytes, bool* integer) {
+                      GgmlProduct& g) {
   const int64_t n_parts = static_cast<int64_t>(types.size());
   if (n_parts < 1 || n_parts > kMaxParts || args.size() < static_cast<size_t>(n_parts))
     return ffi::Error::InvalidArgument("jllama matvec_ggml: 1 to 4 weight parts");
-  *m = 0, *bytes = 0, *integer = false;
+  g.m = 0, g.bytes = 0, g.integer = false, g.n = n;
   for (int64_t k = 0; k < n_parts; ++k) {
     // A part is its bytes, u8[rows, row_bytes]; an F32 or BF16 part may come as the typed
     // matrix itself, f32/bf16[rows, n] (`jllama.model.ggml_matrix.FloatRows`: no byte view to make).
@@ -159,14 +147,14 @@ ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, 
     const int64_t rows = dims[0];
     if (dims[1] != (typed ? n : row_bytes))
       return ffi::Error::InvalidArgument("jllama matvec_ggml: a part's rows are not x's length");
-    if (ggml::x8_type(types[k]) && (rows % 8 != 0 || *m % 8 != 0 || kVectorWidth < 8))
+    if (ggml::x8_type(types[k]) && (rows % 8 != 0 || g.m % 8 != 0 || kVectorWidth < 8))
       return ffi::Error::InvalidArgument(
           "jllama matvec_ggml: an x8 part needs rows a multiple of 8 and an AVX2 build");
-    g.parts[k] = GgmlPart{static_cast<const uint8_t*>(w->untyped_data()), *m, rows, row_bytes,
+    g.parts[k] = GgmlPart{static_cast<const uint8_t*>(w->untyped_data()), g.m, rows, row_bytes,
                           types[k]};
-    *m += rows;
-    *bytes += rows * row_bytes;
-    *integer = *integer || ggml::integer_type(types[k]);
+    g.m += rows;
+    g.bytes += rows * row_bytes;
+    g.integer = g.integer || ggml::integer_type(types[k]);
   }
   g.n_parts = static_cast<int>(n_parts);
   g.unit = 1;
@@ -189,15 +177,20 @@ ffi::Error ggml_parts(ffi::RemainingArgs& args, ffi::Span<const int32_t> types, 
   return ffi::Error::Success();
 }
 
+// What `run` weighs a unit of g's rows by when it sizes its blocks and decides to split (per
+// token): a byte of a quantized row costs about what a float32 weight does (decoding it is most
+// of the work).
+int64_t unit_cost(const GgmlProduct& g) {
+  return std::max<int64_t>(1, g.bytes / std::max<int64_t>(1, g.m)) * g.unit;
+}
+
 // ggml_parts for a handler whose remaining arguments are the parts and nothing else (`handler`
 // names it in the error).
 ffi::Error parts_only(const char* handler, ffi::RemainingArgs& args,
-                      ffi::Span<const int32_t> types, int64_t n, GgmlProduct& g, int64_t* m,
-                      int64_t* bytes) {
+                      ffi::Span<const int32_t> types, int64_t n, GgmlProduct& g) {
   if (args.size() != types.size())
     return ffi::Error::InvalidArgument(std::string("jllama ") + handler + ": one type per part");
-  bool integer;
-  return ggml_parts(args, types, n, g, m, bytes, &integer);
+  return ggml_parts(args, types, n, g);
 }
 
 ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args, F32Result y,
@@ -205,9 +198,8 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
                       int32_t residual) {
   const int64_t n = x.dimensions()[0];
   GgmlProduct g{};
-  int64_t m, bytes;
-  bool integer;
-  if (ffi::Error e = ggml_parts(args, types, n, g, &m, &bytes, &integer); e.failure()) return e;
+  if (ffi::Error e = ggml_parts(args, types, n, g); e.failure()) return e;
+  const int64_t m = g.m;
   if (y->dimensions().size() != 1 || y->dimensions()[0] != m)
     return ffi::Error::InvalidArgument("jllama matvec_ggml: y must be f32[rows of all parts]");
   std::unique_ptr<float[]> prepared;
@@ -217,7 +209,7 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
       e.failure())
     return e;
   std::unique_ptr<uint8_t[]> scratch[ggml::kActivationKinds];
-  if (integer) {
+  if (g.integer) {
     for (int k = 0; k < g.n_parts; ++k) {
       if (!ggml::integer_type(g.parts[k].type)) continue;
       const int kind = ggml::activation_kind(g.parts[k].type);
@@ -226,12 +218,8 @@ ffi::Error MatvecGgml(ffi::ThreadPool pool, F32Vector x, ffi::RemainingArgs args
       g.qx[kind] = ggml::quantize(g.x, n, scratch[kind].get(), kind);
     }
   }
-  g.n = n;
   g.y = y->typed_data();
-  // `run` sizes its blocks and decides to split by weights per row: a byte of a quantized row
-  // costs about what a float32 weight does (decoding it is most of the work).
-  const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m)) * g.unit;
-  Product p{rows_ggml, &g, nullptr, nullptr, g.y, cost};
+  Product p{rows_ggml, &g, nullptr, nullptr, g.y, unit_cost(g)};
   for (int k = 0; k < g.n_parts; ++k)
     p.spans[k] = Product::Span{reinterpret_cast<const char*>(g.parts[k].data), g.parts[k].first,
                                g.parts[k].rows, g.parts[k].row_bytes};
@@ -345,24 +333,13 @@ void matmul_rows(const GgmlMatmul& g, const GgmlPart& part, int64_t begin, int64
 
 void rows_matmul(const Product& p, int64_t begin, int64_t end) {
   const GgmlMatmul& g = *static_cast<const GgmlMatmul*>(p.w);
-  begin *= g.unit, end *= g.unit;
-  constexpr int32_t X = ggml::kX8;
-  for (int k = 0; k < g.n_parts; ++k) {
-    const GgmlPart& part = g.parts[k];
-    const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
-    if (lo >= hi) continue;
-    switch (part.type) {
-      case X + ggml::Q8_0: matmul_groups<ggml::Q8_0>(g, part, lo, hi); break;
-      case X + ggml::Q4_0: matmul_groups<ggml::Q4_0>(g, part, lo, hi); break;
-      case X + ggml::Q4_1: matmul_groups<ggml::Q4_1>(g, part, lo, hi); break;
-      case X + ggml::Q5_0: matmul_groups<ggml::Q5_0>(g, part, lo, hi); break;
-      case X + ggml::Q5_1: matmul_groups<ggml::Q5_1>(g, part, lo, hi); break;
-      case X + ggml::Q4_K: matmul_groups<ggml::Q4_K>(g, part, lo, hi); break;
-      case X + ggml::Q5_K: matmul_groups<ggml::Q5_K>(g, part, lo, hi); break;
-      case X + ggml::Q6_K: matmul_groups<ggml::Q6_K>(g, part, lo, hi); break;
-      default: matmul_rows(g, part, lo, hi); break;
-    }
-  }
+  each_part(g.parts, g.n_parts, begin * g.unit, end * g.unit,
+            [&](const GgmlPart& part, int64_t lo, int64_t hi) {
+              // A part in an x8 layout a group at a time, any other row by row.
+              auto groups = [&](auto t) { matmul_groups<decltype(t)::value>(g, part, lo, hi); };
+              if (!ggml::x8_type(part.type) || !ggml::with_x8_type(part.type - ggml::kX8, groups))
+                matmul_rows(g, part, lo, hi);
+            });
 }
 
 // The activations of tokens [begin, end) of a GgmlMatmul, each kind with scratch.
@@ -382,14 +359,15 @@ void quantize_tokens(const Product& p, int64_t begin, int64_t end) {
   }
 }
 
-// y f32[tokens, m] = the parts in `checked` (from ggml_parts: m rows of `bytes` in all) times
-// x f32[tokens, n], each token's row as MatvecGgml computes it alone.
-void ggml_matmul(ffi::ThreadPool& pool, const GgmlProduct& checked, int64_t m, int64_t bytes,
-                 int64_t n, int64_t tokens, const float* x, float* y) {
+// y f32[tokens, m] = the parts in `checked` (from ggml_parts: m rows of n) times x f32[tokens,
+// n], each token's row as MatvecGgml computes it alone.
+void ggml_matmul(ffi::ThreadPool& pool, const GgmlProduct& checked, int64_t tokens,
+                 const float* x, float* y) {
   GgmlMatmul g;
   std::copy(checked.parts, checked.parts + kMaxParts, g.parts);
   g.n_parts = checked.n_parts;
   g.unit = checked.unit;
+  const int64_t n = checked.n, m = checked.m;
   g.n = n, g.m = m, g.tokens = tokens, g.x = x, g.y = y;
   std::unique_ptr<uint8_t[]> scratch[ggml::kActivationKinds];
   QuantizeTokens quantizing{&g, {}, ggml::activation_bytes(n)};
@@ -405,7 +383,7 @@ void ggml_matmul(ffi::ThreadPool& pool, const GgmlProduct& checked, int64_t m, i
   // a few hundred thousand values: single-threaded, 10-15% of the chunk's products).
   run(pool.num_threads(), Product{quantize_tokens, &quantizing, nullptr, nullptr, nullptr, 8 * n},
       tokens);
-  const int64_t cost = std::max<int64_t>(1, bytes / std::max<int64_t>(1, m)) * g.unit * tokens;
+  const int64_t cost = unit_cost(checked) * tokens;
   run(pool.num_threads(), Product{rows_matmul, &g, nullptr, nullptr, g.y, cost}, m / g.unit);
 }
 
@@ -413,12 +391,10 @@ ffi::Error MatmulGgml(ffi::ThreadPool pool, F32Matrix x, ffi::RemainingArgs args
                       ffi::Span<const int32_t> types) {
   const int64_t tokens = x.dimensions()[0], n = x.dimensions()[1];
   GgmlProduct checked{};
-  int64_t m, bytes;
-  if (ffi::Error e = parts_only("matmul_ggml", args, types, n, checked, &m, &bytes); e.failure())
-    return e;
-  if (y->dimensions()[0] != tokens || y->dimensions()[1] != m)
+  if (ffi::Error e = parts_only("matmul_ggml", args, types, n, checked); e.failure()) return e;
+  if (y->dimensions()[0] != tokens || y->dimensions()[1] != checked.m)
     return ffi::Error::InvalidArgument("jllama matmul_ggml: y must be f32[T, rows of all parts]");
-  ggml_matmul(pool, checked, m, bytes, n, tokens, x.typed_data(), y->typed_data());
+  ggml_matmul(pool, checked, tokens, x.typed_data(), y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -456,15 +432,12 @@ ffi::Error DequantizeGgml(ffi::ThreadPool pool, ffi::RemainingArgs args, F32Matr
                           ffi::Span<const int32_t> types) {
   const int64_t n = y->dimensions()[1];
   GgmlProduct g{};
-  int64_t m, bytes;
-  if (ffi::Error e = parts_only("dequantize_ggml", args, types, n, g, &m, &bytes); e.failure())
-    return e;
-  if (y->dimensions()[0] != m)
+  if (ffi::Error e = parts_only("dequantize_ggml", args, types, n, g); e.failure()) return e;
+  if (y->dimensions()[0] != g.m)
     return ffi::Error::InvalidArgument("jllama dequantize_ggml: y must be f32[rows of all parts, n]");
-  g.n = n;
   g.y = y->typed_data();
   // Writing float32 costs more than reading the blocks: weigh a row by its output.
-  run(pool.num_threads(), Product{rows_dequantize, &g, nullptr, nullptr, g.y, n}, m);
+  run(pool.num_threads(), Product{rows_dequantize, &g, nullptr, nullptr, g.y, n}, g.m);
   return ffi::Error::Success();
 }
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -27,19 +28,30 @@ enum Type : int32_t {
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
 };
 
+// From a type id to the code compiled for its type: f(std::integral_constant<int32_t, T>{}) for
+// the T of Types that `type` is, and true; false (f not called) when it is none of them.
+template <int32_t... Types, typename F>
+inline bool with_type(int32_t type, F&& f) {
+  return ((type == Types ? (f(std::integral_constant<int32_t, Types>{}), true) : false) || ...);
+}
+
+// `with_type` over the types with an x8 layout (ggml_x8.h).
+template <typename F>
+inline bool with_x8_type(int32_t type, F&& f) {
+  return with_type<Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K>(type, f);
+}
+
+inline bool has_x8(int32_t type) {
+  return with_x8_type(type, [](auto) {});
+}
+
 // Elements and bytes per block of a type the kernels read; {0, 0} for any other id.
 struct Layout {
   int64_t elements, bytes;
 };
 inline Layout layout(int32_t type) {
-  if (type >= 256) {  // an x8 layout (ggml_x8.h): the same blocks, eight rows repacked
-    switch (type - 256) {
-      case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K:
-        return layout(type - 256);
-      default:
-        return {0, 0};
-    }
-  }
+  if (type >= 256)  // an x8 layout (ggml_x8.h): the same blocks, eight rows repacked
+    return has_x8(type - 256) ? layout(type - 256) : Layout{0, 0};
   struct Entry {
     int32_t type;
     Layout layout;

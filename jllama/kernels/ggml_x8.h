@@ -41,17 +41,8 @@
 
 namespace ggml {
 
-// Types with an x8 layout: ggml's id plus kX8.
+// Types with an x8 layout (`has_x8`): ggml's id plus kX8.
 constexpr int32_t kX8 = 256;
-
-inline bool has_x8(int32_t type) {
-  switch (type) {
-    case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K:
-      return true;
-    default:
-      return false;
-  }
-}
 
 // Where byte o of row r's block (r in 0..7) lies in its x8 tile: the inverse of
 // `jllama.model.ggml_repack.tile_sources` (the tests compare the two). pos: int32[8 * block bytes].
@@ -117,54 +108,29 @@ inline void x8_row(int32_t type, const uint8_t* group, int r, int64_t n, const i
 
 #if JLLAMA_Q_AVX2
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define JLLAMA_Q_VNNI 1  // dpbusd: u8 x s8 products summed in int32, no 16-bit saturation
+// VNNI's dot products on 256-bit registers, AVX512-VNNI's encoding or AVX-VNNI's: dpbusd, u8 x s8
+// products summed per 4 in int32 (no 16-bit saturation); dpwssd, int16 x int16 pairs.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define JLLAMA_Q_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#elif defined(__AVXVNNI__)
+#define JLLAMA_Q_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+}
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+}
 #endif
 
 inline __m256i dp(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#if JLLAMA_Q_VNNI
+  return dpbusd(acc, u, s);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-
-// Without VNNI (AVX2's maddubs: u8 x s8 pairs summed into int16, then madd into int32), the
-// int16 pair sums of `Every` consecutive registers are added before they are widened: a pair is
-// at most 2 * 15 * 127 = 3810 for 4-bit values (8 registers fit in int16), 7874 for 5-bit (4),
-// 16002 for 6-bit (2). With VNNI each register goes straight into int32. The integer sums are
-// the same either way.
-template <int Every>
-struct Dots {
-  __m256i s = _mm256_setzero_si256();  // int32 lanes
-#if !JLLAMA_Q_VNNI
-  __m256i p = _mm256_setzero_si256();  // int16 pair sums not yet widened
-  int pending = 0;
-#endif
-  inline void add(__m256i u, __m256i a) {
-#if JLLAMA_Q_VNNI
-    s = dp(s, u, a);
-#else
-    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, a));
-    if (++pending == Every) flush();
-#endif
-  }
-  inline void flush() {
-#if !JLLAMA_Q_VNNI
-    if (pending) {
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-      p = _mm256_setzero_si256();
-      pending = 0;
-    }
-#endif
-  }
-  inline __m256i sums() {
-    flush();
-    return s;
-  }
-};
 
 // The 4 activations at p in every 32-bit lane.
 inline __m256i bcast4(const int8_t* p) {
@@ -239,10 +205,45 @@ inline __m256i load256(const uint8_t* p) {
 // tokens); the token's step and the K-quants' minimums (an exact integer dot of the rows'
 // minimums with the token's sums per 32, int16 pairs) come in once per super-block.
 
-struct Y8 {
+// The float32 operations of `Y8` (256-bit registers) and `Z16` (512-bit: Wide), the same
+// instruction at either width: cvt (int32 lanes to float32), fzero, fset1 (v in every lane), mul,
+// fma (a * b + c), fnma (c - a * b), store (unaligned).
+template <bool Wide>
+struct FloatLanes {
+  using I = std::conditional_t<Wide, __m512i, __m256i>;
+  using F = std::conditional_t<Wide, __m512, __m256>;
+  static F cvt(I a) {
+    if constexpr (Wide) return _mm512_cvtepi32_ps(a);
+    else return _mm256_cvtepi32_ps(a);
+  }
+  static F fzero() {
+    if constexpr (Wide) return _mm512_setzero_ps();
+    else return _mm256_setzero_ps();
+  }
+  static F fset1(float v) {
+    if constexpr (Wide) return _mm512_set1_ps(v);
+    else return _mm256_set1_ps(v);
+  }
+  static F mul(F a, F b) {
+    if constexpr (Wide) return _mm512_mul_ps(a, b);
+    else return _mm256_mul_ps(a, b);
+  }
+  static F fma(F a, F b, F c) {
+    if constexpr (Wide) return _mm512_fmadd_ps(a, b, c);
+    else return _mm256_fmadd_ps(a, b, c);
+  }
+  static F fnma(F a, F b, F c) {
+    if constexpr (Wide) return _mm512_fnmadd_ps(a, b, c);
+    else return _mm256_fnmadd_ps(a, b, c);
+  }
+  static void store(float* y, F v) {
+    if constexpr (Wide) _mm512_storeu_ps(y, v);
+    else _mm256_storeu_ps(y, v);
+  }
+};
+
+struct Y8 : FloatLanes<false> {
   static constexpr int kGroups = 1;
-  using I = __m256i;
-  using F = __m256;
   static I load(const uint8_t* w, int64_t, int64_t at) { return load256(w + at); }
   // The 8 float16 of each group at byte `at` of its tile, as float32 lanes.
   static F halves(const uint8_t* w, int64_t, int64_t at) { return f16x8(w + at); }
@@ -264,10 +265,8 @@ struct Y8 {
   static I dp(I acc, I u, I s) { return ggml::dp(acc, u, s); }
   // int16 pairs: acc + a.lo * b.lo + a.hi * b.hi per int32 lane.
   static I dpw(I acc, I a, I b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, a, b);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#if JLLAMA_Q_VNNI
+    return dpwssd(acc, a, b);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
@@ -283,22 +282,13 @@ struct Y8 {
   // The row bytes (one u64 per group) as float32 lanes.
   template <bool Signed>
   static F bytes(const uint64_t* v) { return bytes8<Signed>(v[0]); }
-  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
-  static F fzero() { return _mm256_setzero_ps(); }
-  static F fset1(float v) { return _mm256_set1_ps(v); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-  static void store(float* y, F v) { _mm256_storeu_ps(y, v); }
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define JLLAMA_Q_Z16 1
-struct Z16 {
+struct Z16 : FloatLanes<true> {
   static constexpr int kGroups = 2;
-  using I = __m512i;
-  using F = __m512;
   // `pair`: bytes from group g's tile to group g + 1's (8 rows of the matrix).
   static I load(const uint8_t* w, int64_t pair, int64_t at) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(load256(w + at)), load256(w + pair + at), 1);
@@ -359,24 +349,19 @@ struct Z16 {
     const __m128i b = _mm_set_epi64x(static_cast<int64_t>(v[1]), static_cast<int64_t>(v[0]));
     return _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
   }
-  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
-  static F fzero() { return _mm512_setzero_ps(); }
-  static F fset1(float v) { return _mm512_set1_ps(v); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-  static void store(float* y, F v) { _mm512_storeu_ps(y, v); }
 };
 #endif
 
-// Integer dot products of one block and token: with VNNI each chunk goes straight into int32;
-// without it (AVX2's maddubs) `Every` chunks' int16 pair sums are added before they are widened
-// (see `Dots`). The integer sums are the same either way.
+// Integer dot products of one block and token: with VNNI each chunk goes straight into int32.
+// Without it (Y8 only; AVX2's maddubs: u8 x s8 pairs summed into int16, then madd into int32),
+// the int16 pair sums of `Every` consecutive chunks are added before they are widened: a pair is
+// at most 2 * 15 * 127 = 3810 for 4-bit values (8 chunks fit in int16), 7874 for 5-bit (4),
+// 16002 for 6-bit (2). The integer sums are the same either way.
 template <class V, int Every>
-struct VDots {
-  typename V::I s = V::zero();
+struct Dots {
+  typename V::I s = V::zero();  // int32 lanes
 #if !JLLAMA_Q_VNNI
-  typename V::I p = V::zero();
+  typename V::I p = V::zero();  // int16 pair sums not yet widened
   int pending = 0;
 #endif
   inline void add(typename V::I u, typename V::I a) {
@@ -408,12 +393,57 @@ inline void row_bytes(const uint8_t* w, int64_t pair, int64_t at, uint64_t* out)
   for (int g = 0; g < V::kGroups; ++g) out[g] = load_u64(w + g * pair + at);
 }
 
+// ggml's get_scale_min_k4 on the 8 rows' bytes at once, per group: the 6-bit scales sc[j] and
+// minimums mn[j] of sub-blocks j = 0 .. 7 from the 12 scale planes of a Q4_K / Q5_K tile.
+template <class V>
+inline void scales_mins(const uint8_t* w, int64_t pair, uint64_t (*sc)[V::kGroups],
+                        uint64_t (*mn)[V::kGroups]) {
+  constexpr uint64_t m6 = 0x3F3F3F3F3F3F3F3Full, m4 = 0x0F0F0F0F0F0F0F0Full;
+  constexpr uint64_t m2 = 0x0303030303030303ull;
+  uint64_t p[12][V::kGroups];
+  for (int i = 0; i < 12; ++i) row_bytes<V>(w, pair, 32 + 8 * i, p[i]);
+  for (int g = 0; g < V::kGroups; ++g)
+    for (int j = 0; j < 8; ++j) {
+      if (j < 4) {
+        sc[j][g] = p[j][g] & m6;
+        mn[j][g] = p[j + 4][g] & m6;
+      } else {
+        sc[j][g] = (p[j + 4][g] & m4) | (((p[j - 4][g] >> 6) & m2) << 4);
+        mn[j][g] = ((p[j + 4][g] >> 4) & m4) | (((p[j][g] >> 6) & m2) << 4);
+      }
+    }
+}
+
 // The int16 pair p[0], p[1] as one int32 (p[0] in the low half), for `dpw` against the rows'
 // pairs.
 inline int32_t pair32(const int16_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+// The end of a Q4_K / Q5_K super-block `sb` for token x: acc + part * dx - (dmin * float(sum_j
+// m_j * bsum_j)) * dx, mins[k] the rows' minimums of sub-blocks 2k and 2k + 1 as int16 pairs
+// (`pairs`), bsum_j the token's sum over sub-block j (the integer sum exact in int32).
+template <class V, class F = typename V::F, class I = typename V::I>
+inline F k4_step(F acc, F part, F dmin, const I* mins, const Activations& x, int64_t sb) {
+  const int16_t* s32 = x.s32 + 8 * sb;
+  I msum = V::zero();
+  for (int k = 0; k < 4; ++k) msum = V::dpw(msum, mins[k], V::set1(pair32(s32 + 2 * k)));
+  const F dx = V::fset1(x.d[8 * sb]);
+  return V::fnma(V::mul(dmin, V::cvt(msum)), dx, V::fma(part, dx, acc));
+}
+
+// The end of a Q6_K super-block `sb` for token x: acc + (part - 32 * float(sum_k sc_k * bsum_k))
+// * (d * dx), sc16[k] the rows' scales 2k and 2k + 1 as int16 pairs (`pairs`), bsum_k the
+// token's sum over the 16 values of scale k (the integer sum exact in int32).
+template <class V, class F = typename V::F, class I = typename V::I>
+inline F k6_step(F acc, F part, F d, const I* sc16, const Activations& x, int64_t sb) {
+  const int16_t* s16 = x.s16 + 16 * sb;
+  I off = V::zero();
+  for (int k = 0; k < 8; ++k) off = V::dpw(off, sc16[k], V::set1(pair32(s16 + 2 * k)));
+  const F whole = V::fnma(V::cvt(off), V::fset1(32.0f), part);
+  return V::fma(whole, V::mul(d, V::fset1(x.d[8 * sb])), acc);
 }
 
 constexpr int64_t kTileAhead = 8192;
@@ -497,7 +527,7 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
     constexpr float offset = T == Q4_0 ? 8.0f : T == Q5_0 ? 16.0f : 0.0f;
     for (int64_t b = 0; b < n / 32; ++b, w += tile) {
       tile_ahead<V, Ahead>(w, pair, tile);
-      VDots<V, five ? 4 : 8> s[NT];
+      Dots<V, five ? 4 : 8> s[NT];
       const I qh = five ? V::load(w, pair, qh_at) : V::zero();
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3 of the rows
@@ -517,30 +547,17 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
   } else if constexpr (T == Q4_K || T == Q5_K) {
     constexpr bool five = T == Q5_K;
     constexpr int64_t qs_at = five ? 384 : 128, tile = five ? 1408 : 1152;
-    constexpr uint64_t m6 = 0x3F3F3F3F3F3F3F3Full, m4 = 0x0F0F0F0F0F0F0F0Full;
-    constexpr uint64_t m2 = 0x0303030303030303ull;
     for (int64_t sb = 0; sb < n / 256; ++sb, w += tile) {
       tile_ahead<V, Ahead>(w, pair, tile);
-      // ggml's get_scale_min_k4 on 8 rows' bytes at once, per group: sc[j], mn[j].
-      uint64_t p[12][V::kGroups], sc[8][V::kGroups], mn[8][V::kGroups];
-      for (int i = 0; i < 12; ++i) row_bytes<V>(w, pair, 32 + 8 * i, p[i]);
-      for (int g = 0; g < V::kGroups; ++g)
-        for (int j = 0; j < 8; ++j) {
-          if (j < 4) {
-            sc[j][g] = p[j][g] & m6;
-            mn[j][g] = p[j + 4][g] & m6;
-          } else {
-            sc[j][g] = (p[j + 4][g] & m4) | (((p[j - 4][g] >> 6) & m2) << 4);
-            mn[j][g] = ((p[j + 4][g] >> 4) & m4) | (((p[j][g] >> 6) & m2) << 4);
-          }
-        }
+      uint64_t sc[8][V::kGroups], mn[8][V::kGroups];
+      scales_mins<V>(w, pair, sc, mn);
       const F d = V::halves(w, pair, 0), dmin = V::halves(w, pair, 16);
       F part[NT];
       for (int t = 0; t < NT; ++t) part[t] = V::fzero();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {  // sub-block j: values 32j .. 32j + 31
         const int g = j / 2, half = j % 2;
-        VDots<V, five ? 4 : 8> s[NT];
+        Dots<V, five ? 4 : 8> s[NT];
         for (int c = 0; c < 8; ++c) {
           const I q = V::load(w, pair, qs_at + 256 * g + 32 * c);
           I v = V::and_(half ? V::srl4(q) : q, low4);
@@ -552,15 +569,7 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
       }
       I mins[4];
       for (int k = 0; k < 4; ++k) mins[k] = V::template pairs<false>(mn[2 * k], mn[2 * k + 1]);
-      for (int t = 0; t < NT; ++t) {
-        const int16_t* s32 = x[t].s32 + 8 * sb;
-        I msum = V::zero();
-        for (int k = 0; k < 4; ++k)  // sums of sub-blocks 2k and 2k + 1
-          msum = V::dpw(msum, mins[k], V::set1(pair32(s32 + 2 * k)));
-        const F dx = V::fset1(x[t].d[8 * sb]);
-        acc[t] = V::fma(part[t], dx, acc[t]);
-        acc[t] = V::fnma(V::mul(dmin, V::cvt(msum)), dx, acc[t]);
-      }
+      for (int t = 0; t < NT; ++t) acc[t] = k4_step<V>(acc[t], part[t], dmin, mins, x[t], sb);
     }
   } else if constexpr (T == Q6_K) {
     const I three = V::set8(3);
@@ -574,7 +583,7 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
         for (int h = 0; h < 2; ++h) {       // 16-value halves of its activation blocks
 #pragma GCC unroll 4
           for (int v = 0; v < 4; ++v) {     // values 128 nh + 32 v + 16 h ..: one scale each
-            VDots<V, 2> s[NT];
+            Dots<V, 2> s[NT];
             for (int c = 4 * h; c < 4 * h + 4; ++c) {
               const I q = V::load(w, pair, 144 + 512 * nh + 32 * (c + 8 * (v % 2)));
               const I H = V::load(w, pair, 1168 + 256 * nh + 32 * c);
@@ -592,14 +601,7 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
       I sc16[8];
       for (int k = 0; k < 8; ++k) sc16[k] = V::template pairs<true>(scales[2 * k], scales[2 * k + 1]);
       const F d = V::halves(w, pair, 0);
-      for (int t = 0; t < NT; ++t) {
-        // sum_k sc_k * (the token's sum over the 16 values of scale k): exact in int32.
-        const int16_t* s16 = x[t].s16 + 16 * sb;
-        I off = V::zero();
-        for (int k = 0; k < 8; ++k) off = V::dpw(off, sc16[k], V::set1(pair32(s16 + 2 * k)));
-        const F whole = V::fnma(V::cvt(off), V::fset1(32.0f), part[t]);
-        acc[t] = V::fma(whole, V::mul(d, V::fset1(x[t].d[8 * sb])), acc[t]);
-      }
+      for (int t = 0; t < NT; ++t) acc[t] = k6_step<V>(acc[t], part[t], d, sc16, x[t], sb);
     }
   }
   for (int t = 0; t < NT; ++t) V::store(y[t], acc[t]);

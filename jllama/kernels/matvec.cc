@@ -193,16 +193,28 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, Int8Matrix q, F32Vector scale, F32Ve
   return product(pool, p, m, x, extra, y, prologue, eps, residual);
 }
 
-ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale, F32Vector x,
-                            ffi::RemainingArgs extra, F32Result y, int32_t prologue, float eps,
-                            int32_t residual) {
+// *p = the product of int8 weights q [m, n] with a scale per group of n / G weights of a row
+// (scale f32[m, G]), its rows computed by `rows` (no spans set); an error naming `handler` where
+// the scales are not f32[m, G] with G dividing n.
+ffi::Error int8_groups_product(const char* handler, Int8Matrix& q, F32Matrix& scale,
+                               void (*rows)(const Product&, int64_t, int64_t), Product* p) {
   const int64_t m = q.dimensions()[0], n = q.dimensions()[1];
   const int64_t groups = scale.dimensions()[1];
   if (scale.dimensions()[0] != m || groups < 1 || n % groups != 0)
-    return ffi::Error::InvalidArgument(
-        "jllama matvec_int8_groups: scale must be f32[m, G] with G dividing n");
-  return product(pool, Product{rows_int8_groups, q.typed_data(), scale.typed_data(), nullptr,
-                               nullptr, n, groups}, m, x, extra, y, prologue, eps, residual);
+    return ffi::Error::InvalidArgument(std::string("jllama ") + handler +
+                                       ": scale must be f32[m, G] with G dividing n");
+  *p = Product{rows, q.typed_data(), scale.typed_data(), nullptr, nullptr, n, groups};
+  return ffi::Error::Success();
+}
+
+ffi::Error MatvecInt8Groups(ffi::ThreadPool pool, Int8Matrix q, F32Matrix scale, F32Vector x,
+                            ffi::RemainingArgs extra, F32Result y, int32_t prologue, float eps,
+                            int32_t residual) {
+  Product p{};
+  if (ffi::Error e = int8_groups_product("matvec_int8_groups", q, scale, rows_int8_groups, &p);
+      e.failure())
+    return e;
+  return product(pool, p, q.dimensions()[0], x, extra, y, prologue, eps, residual);
 }
 
 // The arguments and attributes every matvec handler takes after its weights and x: the
