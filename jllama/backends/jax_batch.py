@@ -134,9 +134,8 @@ class BatchSteps(JaxState):
                 key_blocks.extend([key_zero] * k)
                 value_blocks.extend([value_zero] * k)
             x, new_keys, new_values = layer_batch(
-                config, x, count, pos_arr, layer.rms_att_weight, layer.wqkv, layer.wo,
-                layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3, self.inv_freq,
-                tuple(key_current), tuple(value_current), tuple(key_blocks), tuple(value_blocks),
+                config, x, count, pos_arr, layer, self.inv_freq, tuple(key_current),
+                tuple(value_current), tuple(key_blocks), tuple(value_blocks),
             )
             for b, (keys, values) in enumerate(caches):
                 keys[l][cur[b]] = new_keys[b]

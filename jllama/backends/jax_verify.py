@@ -79,9 +79,7 @@ class VerifySteps(BatchSteps):
         for l in range(len(self.layers)) if layers is None else layers:
             layer, keys, values = self.layers[l], self.key_cache[l], self.value_cache[l]
             x, keys[cur], values[cur] = layer_verify(
-                config, x, count, pos_arr, layer.rms_att_weight, layer.wqkv, layer.wo,
-                layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3, self.inv_freq,
-                keys[cur], values[cur],
+                config, x, count, pos_arr, layer, self.inv_freq, keys[cur], values[cur],
                 tuple(keys[j] if j < cur else key_zero for j in range(k)),
                 tuple(values[j] if j < cur else value_zero for j in range(k)),
             )

@@ -13,6 +13,10 @@ sequence alone (batch invariance). Compiled once per batch size (the backend pad
 of `BATCH_SIZES`) and, for `layer_batch`, per count K of cache blocks read (the largest
 `attention_blocks` among the sequences, as `forward` compiles one attention per K); rows from
 `count` on are padding the kernels skip.
+
+`layer_rows` is the layer with its attention step given: `layer_batch` takes the B sequences'
+(`jllama.kernels.batched.rope_attend_batch`), the speculative verification step
+(`jllama.graphs.verify.layer_verify`) R consecutive positions of one sequence in order.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax
 
 from jllama.kernels import batched
 from jllama.model.config import ModelConfig
+from jllama.model.weights import LayerWeights
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 """The batch sizes the batched programs are compiled for: a batch of B runs in the smallest
@@ -30,57 +35,64 @@ that holds it (more than 32: in parts of 32)."""
 
 
 @functools.partial(
-    jax.jit, static_argnums=0, donate_argnames=("key_current", "value_current")
+    jax.jit, static_argnames=("config", "attend"),
+    donate_argnames=("key_current", "value_current"),
 )
-def layer_batch(
+def layer_rows(
     config: ModelConfig,
     x: jax.Array,
     count: jax.Array,
     pos: jax.Array,
-    rms_att_weight: jax.Array,
-    wqkv,
-    wo,
-    rms_ffn_weight: jax.Array,
-    w1,
-    w2,
-    w3,
+    layer: LayerWeights,
     inv_freq: jax.Array,
-    key_current: tuple,
-    value_current: tuple,
+    key_current,
+    value_current,
     key_blocks: tuple,
     value_blocks: tuple,
-) -> tuple[jax.Array, tuple, tuple]:
-    """One layer of the batched decode step, as `qkv` + `attention` + `block` per sequence.
+    *,
+    attend,
+) -> tuple[jax.Array, object, object]:
+    """One layer for the R rows of x, as `qkv` + attention + `block` per row: the stacked QKV
+    product for all rows (attention RMSNorm inside), `attend` for RoPE, the cache writes and
+    attention, then wo + residual, FFN RMSNorm + w1 / w3, SwiGLU + w2 + residual for all rows.
 
     Args:
       config: static.
-      x: f32[B, dim], the sequences' residual streams.
+      x: f32[R, dim], the rows' residual streams.
       count: int32 scalar, the real rows (the rest is padding).
-      pos: int32[B], each sequence's position.
-      rms_att_weight, wqkv, wo, rms_ffn_weight, w1, w2, w3: the layer's arrays
-        (`jllama.model.weights.LayerWeights`; f32, bf16, `Int8Matrix` or GGML blocks).
+      pos: int32[R], each row's position.
+      layer: the layer's arrays (`LayerWeights`; f32, bf16, `Int8Matrix` or GGML blocks).
       inv_freq: f32[head_dim // 2].
-      key_current, value_current: B blocks each, sequence b's block holding pos[b]; donated
-        (updated in place).
-      key_blocks, value_blocks: B * K blocks each (`jllama.batched.rope_attend_batch`).
+      key_current, value_current: the blocks holding the rows' positions (as `attend` takes
+        them); donated (updated in place).
+      key_blocks, value_blocks: the blocks attention reads (as `attend` takes them).
+      attend: static, `attend(qkv, pos, count, inv_freq, key_current, value_current,
+        key_blocks, value_blocks) -> (att f32[R, n_heads * head_dim], key_current,
+        value_current written)`.
 
     Returns:
-      (x f32[B, dim] leaving the layer, key_current, value_current written).
+      (x f32[R, dim] leaving the layer, key_current, value_current written).
     """
     eps = config.norm_eps
-    with jax.named_scope("qkv_batch"):
-        qkv = batched.matvec_batch(wqkv, x, count, norm=rms_att_weight, eps=eps)
-    with jax.named_scope("attention_batch"):
-        att, key_current, value_current = batched.rope_attend_batch(
+    with jax.named_scope("qkv_rows"):
+        qkv = batched.matvec_batch(layer.wqkv, x, count, norm=layer.rms_att_weight, eps=eps)
+    with jax.named_scope("attention_rows"):
+        att, key_current, value_current = attend(
             qkv, pos, count, inv_freq, key_current, value_current, key_blocks, value_blocks
         )
-    with jax.named_scope("wo_batch"):
-        x = batched.matvec_batch(wo, att, count, add=x)
-    with jax.named_scope("ffn_batch"):
-        up = batched.matvec_batch(w1, x, count, norm=rms_ffn_weight, eps=eps)
-        gate = batched.matvec_batch(w3, x, count, norm=rms_ffn_weight, eps=eps)
-        x = batched.matvec_batch(w2, up, count, gate=gate, add=x)
+    with jax.named_scope("wo_rows"):
+        x = batched.matvec_batch(layer.wo, att, count, add=x)
+    with jax.named_scope("ffn_rows"):
+        up = batched.matvec_batch(layer.w1, x, count, norm=layer.rms_ffn_weight, eps=eps)
+        gate = batched.matvec_batch(layer.w3, x, count, norm=layer.rms_ffn_weight, eps=eps)
+        x = batched.matvec_batch(layer.w2, up, count, gate=gate, add=x)
     return x, key_current, value_current
+
+
+layer_batch = functools.partial(layer_rows, attend=batched.rope_attend_batch)
+"""One layer of the batched decode step (`layer_rows`): x f32[B, dim]; pos int32[B], each
+sequence's position; key_current, value_current: B blocks each, sequence b's block holding
+pos[b]; key_blocks, value_blocks: B * K blocks each (`jllama.batched.rope_attend_batch`)."""
 
 
 @functools.partial(jax.jit, static_argnums=0)
