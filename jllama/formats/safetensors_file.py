@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from jllama.errors import CheckpointError
-from jllama.platform.files import parse_json, require_regular_file
+from jllama.platform.files import parse_json, parse_json_object, require_regular_file
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -80,12 +80,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, SafetensorsEnt
                 f"{size} bytes"
             )
         raw = f.read(n)
-    try:
-        header = parse_json(raw)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: malformed safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: malformed safetensors header (not a JSON object)")
+    header = parse_json_object(raw, f"{path}: safetensors header", CheckpointError)
     data_start, data_size = 8 + n, size - 8 - n
     entries = {}
     for name, info in header.items():

@@ -50,3 +50,15 @@ def parse_json(text: str | bytes) -> Any:
         raise ValueError(f"not UTF-8 (byte {e.start})") from None
     except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
         raise ValueError(" ".join(str(e).split())) from None
+
+
+def parse_json_object(text: str | bytes, what: str, error: type[Exception]) -> dict:
+    """`parse_json(text)`, which must be a JSON object, else `error` with one line that starts
+    with `what`: "WHAT: not valid JSON: REASON" or "WHAT: expected a JSON object, got TYPE"."""
+    try:
+        data = parse_json(text)
+    except ValueError as e:
+        raise error(f"{what}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{what}: expected a JSON object, got {type(data).__name__}")
+    return data

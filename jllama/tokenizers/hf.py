@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from jllama.errors import TokenizerError
-from jllama.platform.files import parse_json, require_regular_file
+from jllama.platform.files import parse_json_object, require_regular_file
 from jllama.tokenizers.bpe import END_OF_GENERATION_TEXTS, ByteLevelBPE
 from jllama.tokenizers.hf_build import (
     BYTE_LEVEL_PRE_TOKENIZERS,
@@ -190,13 +190,7 @@ def _read_json(path: Path, required: bool) -> Any:
         raise TokenizerError(f"{what}: cannot read: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise TokenizerError(f"{what}: not UTF-8 text (byte {e.start})") from None
-    try:
-        data = parse_json(text)
-    except ValueError as e:
-        raise TokenizerError(f"{what}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{what}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return parse_json_object(text, what, TokenizerError)
 
 
 def _field(obj: Mapping, key: str, kind: type, src: str, where: str = "") -> Any:
