@@ -67,6 +67,14 @@ class PreTokenizer:
 _SMOLLM = PreTokenizer((r"\p{N}", _GPT2_PATTERN))
 _GPT2 = PreTokenizer((_GPT2_PATTERN,))
 _LLAMA3 = PreTokenizer((LLAMA_BPE_PATTERN,), ignore_merges=True, add_bos=True)
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 (Qwen2, Qwen2.5, Qwen3 and DeepSeek-R1's Qwen
+# distills): Qwen's tokenizer.json regex with its `(?i:...)` contractions spelled out, as
+# llama.cpp writes it; digits one at a time; no BOS.
+QWEN2_PATTERN = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+    r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = PreTokenizer((QWEN2_PATTERN,))
 _DEFAULT = PreTokenizer(
     (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_PATTERN, r"\p{N}+", r"[0-9][0-9][0-9]")
 )
@@ -83,6 +91,7 @@ PRE_TOKENIZERS: Mapping[str, PreTokenizer] = {
          "jina-v5-nano"],
         _LLAMA3,
     ),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"], _QWEN2),
     # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT, also used when the key is missing.
     "default": _DEFAULT,
 }
