@@ -1,6 +1,7 @@
-"""Tiny random Hugging Face Llama models for tests, built and saved by transformers itself
-(`LlamaConfig` + `LlamaForCausalLM`, `save_pretrained` with safetensors), so the folders are
-what transformers writes, not what jllama's reader expects. The in-memory model is the oracle.
+"""Tiny random Hugging Face models for tests, built and saved by transformers itself
+(`LlamaConfig` + `LlamaForCausalLM`, or Mistral's, Qwen2's, Qwen3's, `save_pretrained` with
+safetensors), so the folders are what transformers writes, not what jllama's reader expects.
+The in-memory model is the oracle.
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
+def _classes(family: str):
+    """(config class, model class) of a family: "llama", "mistral", "qwen2" or "qwen3"."""
+    import transformers
+
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    return (getattr(transformers, prefix + "Config"),
+            getattr(transformers, prefix + "ForCausalLM"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """A tiny Llama: LlamaConfig keyword arguments plus how it is saved.
@@ -26,6 +36,7 @@ class Spec:
       seed: seeds the weights.
       save_dtype: "float32" or "bfloat16" (the dtype of the stored tensors).
       max_shard_size: save_pretrained's shard limit (e.g. "40KB"); None writes one file.
+      family: "llama" (LlamaForCausalLM), "mistral", "qwen2" or "qwen3" (their *ForCausalLM).
     """
 
     name: str
@@ -33,6 +44,7 @@ class Spec:
     seed: int = 0
     save_dtype: str = "float32"
     max_shard_size: str | None = None
+    family: str = "llama"
 
 
 def build(spec: Spec) -> LlamaForCausalLM:
@@ -40,20 +52,21 @@ def build(spec: Spec) -> LlamaForCausalLM:
 
     Every parameter is redrawn (transformers' init sets RMSNorm gains to 1, which would hide a
     swapped norm): matrices normal(0, 1/sqrt(in_features)), the embedding normal(0, 0.5), norm
-    gains 1 + normal(0, 0.2), so logits spread over several units and greedy choices are
-    clear-cut. When the model is saved as bf16, the oracle's weights are rounded to bf16 too.
+    gains 1 + normal(0, 0.2) (Qwen3's q/k norms too), biases normal(0, 0.5), so logits spread
+    over several units and greedy choices are clear-cut. When the model is saved as bf16, the oracle's weights are rounded to bf16 too.
     """
-    config = LlamaConfig(**spec.config)
+    config_class, model_class = _classes(spec.family)
+    config = config_class(**spec.config)
     config._attn_implementation = "eager"
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * noise)
-            elif name == "model.embed_tokens.weight":
+            elif name == "model.embed_tokens.weight" or name.endswith(".bias"):
                 param.copy_(0.5 * noise)
             else:
                 param.copy_(noise / param.shape[-1] ** 0.5)

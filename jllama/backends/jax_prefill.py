@@ -150,7 +150,8 @@ class PrefillSteps(DecodeStep):
             layer, keys, values = self.layers[l], self.key_cache[l], self.value_cache[l]
             q, keys[b], values[b] = programs.qkv_chunk(
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
-                cos, sin, shards=self._shards,
+                cos, sin, bqkv=layer.bqkv, q_norm=layer.q_norm, k_norm=layer.k_norm,
+                shards=self._shards,
             )
             att = programs.attention_chunk(
                 config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec

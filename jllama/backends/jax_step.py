@@ -80,7 +80,8 @@ class DecodeStep(JaxState):
             layer, keys, values = self.layers[l], self.key_cache[l], self.value_cache[l]
             q, keys[b], values[b] = programs.qkv(
                 config, x, layer.rms_att_weight, layer.wqkv, keys[b], values[b], pos_arr,
-                self.inv_freq, shards=self._shards, matvec=self.matvec,
+                self.inv_freq, bqkv=layer.bqkv, q_norm=layer.q_norm, k_norm=layer.k_norm,
+                shards=self._shards, matvec=self.matvec,
             )
             att = programs.attention(
                 config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec

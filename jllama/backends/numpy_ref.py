@@ -68,6 +68,18 @@ def qkv_projection(
     return matmul(wq, x), matmul(wk, x), matmul(wv, x)
 
 
+def head_rmsnorm(vec: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of each head on its own (Qwen3's q_norm / k_norm, transformers'
+    `Qwen3RMSNorm` over the last axis of [..., heads, head_dim]): `rmsnorm` per head, the same
+    gains for every head.
+
+    vec: f32[n * head_dim] (heads concatenated); weight: f32[head_dim] -> f32[n * head_dim].
+    """
+    heads = vec.reshape(-1, weight.shape[0])
+    ms = np.sum(heads * heads, axis=-1, keepdims=True) / _F32(weight.shape[0]) + _F32(eps)
+    return (weight * (heads * (_F32(1.0) / np.sqrt(ms)))).reshape(vec.shape).astype(_F32)
+
+
 def rope(vec: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
     """Rotary position embedding, as run.c: rotate each adjacent pair (2i, 2i+1) of every head
     by the angle `pos * inv_freq[i]`.
@@ -177,6 +189,9 @@ def forward(
 ) -> np.ndarray:
     """One transformer step, as run.c's `forward`: token at `pos` -> logits f32[vocab_size].
 
+    The Qwen families' additions sit between the QKV product and RoPE, as in transformers'
+    `Qwen2Attention` (q/k/v biases) and `Qwen3Attention` (q_norm / k_norm per head).
+
     Writes this position's keys and values into `cache` (in place). `inv_freq` is
     `rope_frequencies(config)`.
     """
@@ -184,6 +199,11 @@ def forward(
     for l in range(config.n_layers):
         xb = rmsnorm(x, weights.rms_att_weight[l], config.norm_eps)
         q, k, v = qkv_projection(xb, weights.wq[l], weights.wk[l], weights.wv[l])
+        if config.qkv_bias:  # Qwen2: q/k/v biases, before RoPE
+            q, k, v = q + weights.bq[l], k + weights.bk[l], v + weights.bv[l]
+        if config.qk_norm:  # Qwen3: each head's q and k RMSNorm'd, before RoPE
+            q = head_rmsnorm(q, weights.q_norm[l], config.norm_eps)
+            k = head_rmsnorm(k, weights.k_norm[l], config.norm_eps)
         q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
         cache_write(cache.key_cache[l], cache.value_cache[l], k, v, pos)
         att = attention(q, cache.key_cache[l], cache.value_cache[l], pos)

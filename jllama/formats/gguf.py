@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's model format, version 2 and 3) of the `llama` architecture.
+"""GGUF files (llama.cpp's model format, version 2 and 3) of the `llama`, `qwen2` and `qwen3`
+architectures.
 
 The container is parsed by `jllama.formats.gguf_header` (memory-mapped; the `gguf` package's
 GGUFReader gives the same values and views, 50 times slower on a 49152-token vocabulary);
@@ -13,6 +14,8 @@ Tensor names (llama.cpp's `LLM_TENSOR_NAMES`) and where they go:
   blk.N.attn_norm.weight -> rms_att_weight[N]  blk.N.ffn_norm.weight -> rms_ffn_weight[N]
   blk.N.attn_q/attn_k/attn_v/attn_output.weight -> wq/wk/wv/wo[N]
   blk.N.ffn_gate/ffn_down/ffn_up.weight -> w1/w2/w3[N]
+  blk.N.attn_q/attn_k/attn_v.bias -> bq/bk/bv[N] (qwen2)
+  blk.N.attn_q_norm/attn_k_norm.weight -> q_norm/k_norm[N] (qwen3)
 GGUF lists dimensions innermost first (`ne`), so a tensor with ne = [dim, q_dim] is the
 row-major matrix f32[q_dim, dim] (out x in), llama2.c's orientation.
 
@@ -20,8 +23,11 @@ RoPE layout: llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute
 rows of attn_q and attn_k in the original Meta order, where RoPE rotates adjacent pairs
 (x[2i], x[2i+1]) (llama.cpp's LLAMA_ROPE_TYPE_NORM). That is exactly the pairing of llama2.c's
 run.c that every jllama backend implements, so those rows are taken as stored: the one forward
-pass needs no permutation for GGUF (Hugging Face checkpoints, stored for the rotate-half
-layout, are the ones that need it).
+pass needs no permutation for llama GGUF files (Hugging Face checkpoints, stored for the
+rotate-half layout, are the ones that need it). The converter does not permute qwen2 and qwen3
+models (llama.cpp rotates them with LLAMA_ROPE_TYPE_NEOX, rotate-half), so their q/k rows,
+biases and norm gains are permuted at load as a Hugging Face folder's are
+(`jllama.model.rope.rotate_half_to_pairs`; quantized rows are moved whole, not requantized).
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from jllama.formats import ggml_quants
 from jllama.formats.base import ModelFile
 from jllama.formats.gguf_config import (  # noqa: F401 (re-exported: names of this module)
     ROPE_FREQS,
+    architecture,
     config_from_metadata,
     with_rope_freqs,
 )
 from jllama.formats.gguf_header import GGUFHeader, read_header
 from jllama.formats.tensor_names import TensorNames
+from jllama.model.rope import rotate_half_to_pairs
 from jllama.model.weights import TransformerWeights, expected_shapes
 
 _MATRIX_FIELDS = frozenset(
@@ -69,10 +77,16 @@ TENSOR_NAMES = TensorNames(
         "ffn_gate": "w1",
         "ffn_down": "w2",
         "ffn_up": "w3",
+        "attn_q.bias": "bq",
+        "attn_k.bias": "bk",
+        "attn_v.bias": "bv",
+        "attn_q_norm": "q_norm",
+        "attn_k_norm": "k_norm",
     },
     layer_prefix="blk.",
 )
-"""llama.cpp's `LLM_TENSOR_NAMES` for the llama architecture."""
+"""llama.cpp's `LLM_TENSOR_NAMES` for the llama, qwen2 (biases) and qwen3 (q/k norms)
+architectures."""
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -92,7 +106,8 @@ class GGUFModel(ModelFile):
     """What a GGUF file holds for jllama: `ModelFile`'s fields, where `weights` are float32
     (dequantized) or, with `read_gguf(stored=True)`, as the file stores them; `tokenizer` is
     the vocabulary (`jllama.tokenizers.gguf.tokenizer_from_gguf`); `chat_template` is
-    `tokenizer.chat_template`; `context_length` is `llama.context_length`. And:
+    `tokenizer.chat_template`; `context_length` is `{arch}.context_length` (`qwen3.` ...).
+    And:
 
     Attributes:
       tensor_types: {tensor name: GGML type name} as stored, e.g. {"blk.0.attn_q.weight": "Q4_1"}.
@@ -139,12 +154,13 @@ def read_metadata(reader) -> dict[str, Any]:
 def read_gguf(
     path: str | os.PathLike, seq_len: int | None = None, stored: bool = False
 ) -> GGUFModel:
-    """Read a llama-architecture GGUF file: config, weights, tokenizer, chat template.
+    """Read a llama-, qwen2- or qwen3-architecture GGUF file: config, weights, tokenizer, chat
+    template.
 
     Args:
       path: the .gguf file.
       seq_len: cap on the context the KV cache is sized for (tokens); None = the model's
-        `llama.context_length`.
+        `{arch}.context_length`.
       stored: keep the weights as the file stores them: each quantized (and F16) weight matrix
         as GGML blocks, `jllama.model.ggml_matrix.GGMLMatrix` (a [vocab_size, dim] table) or
         `LayerStack` (a matrix per layer, each in its own type), views of the memory-mapped
@@ -170,10 +186,11 @@ def read_gguf(
     reader = _open(path)
     meta = read_metadata(reader)
     config = config_from_metadata(meta, source, seq_len=seq_len)
+    arch, family = architecture(meta, source)
     tokenizer = tokenizer_from_gguf(meta, source)
     if tokenizer.vocab_size != config.vocab_size:
         raise TokenizerError(
-            f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but llama.vocab_size is "
+            f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but {arch}.vocab_size is "
             f"{config.vocab_size}"
         )
 
@@ -183,9 +200,9 @@ def read_gguf(
             config = with_rope_freqs(config, tensor, source)
             continue
         target = TENSOR_NAMES.target(tensor.name, config.n_layers)
-        if target is None:
+        if target is None or target[0] not in expected_shapes(config):
             raise CheckpointError(
-                f"{source}: unexpected tensor {tensor.name!r} (not part of a llama model)"
+                f"{source}: unexpected tensor {tensor.name!r} (not part of a {arch} model)"
             )
         if tensor.name in tensors:
             raise CheckpointError(f"{source}: tensor {tensor.name!r} appears twice")
@@ -218,6 +235,8 @@ def read_gguf(
     TENSOR_NAMES.check_complete(config, filled, source)
     arrays = {field: _field_array(field, layers, shapes[field], stored, source)
               for field, layers in by_field.items()}
+    if family.rotate_half:
+        arrays = rotate_half_to_pairs(config, arrays)
     if shared:
         arrays["wcls"] = arrays["token_embedding_table"]
     template = meta.get("tokenizer.chat_template")
@@ -227,7 +246,7 @@ def read_gguf(
         tokenizer=tokenizer,
         chat_template=template if isinstance(template, str) else None,
         tensor_types=tensor_types,
-        context_length=int(meta["llama.context_length"]),
+        context_length=int(meta[f"{arch}.context_length"]),
         metadata=meta,
         source=source,
     )

@@ -1,6 +1,12 @@
-"""A llama-architecture GGUF's metadata as a `ModelConfig` (and its RoPE factors tensor).
+"""A llama-, qwen2- or qwen3-architecture GGUF's metadata as a `ModelConfig` (and its RoPE
+factors tensor).
 
-Metadata keys read (prefix `llama.`, as llama.cpp's `llm_load_hparams` for LLM_ARCH_LLAMA):
+`general.architecture` picks the family (`ARCHITECTURES`): `llama` (Llama 1/2/3, SmolLM2, and
+Mistral as llama.cpp's converter writes it), `qwen2` (Qwen2, Qwen2.5: q/k/v biases) or `qwen3`
+(Qwen3 dense: per-head q/k RMSNorm, head_dim of its own); any other is refused naming it. The
+keys below are prefixed by that name (`llama.`, `qwen2.`, `qwen3.`).
+
+Metadata keys read (as llama.cpp's `llm_load_hparams` for LLM_ARCH_LLAMA / QWEN2 / QWEN3):
   embedding_length -> dim, feed_forward_length -> hidden_dim, block_count -> n_layers,
   attention.head_count -> n_heads, attention.head_count_kv -> n_kv_heads (default n_heads),
   attention.key_length -> head_dim (default dim // n_heads; value_length must agree),
@@ -47,6 +53,47 @@ from jllama.errors import CheckpointError, ConfigError
 from jllama.formats import ggml_types
 
 
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What a GGUF architecture adds to the Llama block (llama.cpp's `llm_build_*` graphs).
+
+    Attributes:
+      qkv_bias: blk.N.attn_q/k/v.bias present (`ModelConfig.qkv_bias`).
+      qk_norm: blk.N.attn_q_norm / attn_k_norm.weight present (`ModelConfig.qk_norm`).
+      rotate_half: RoPE pairs (i, i + head_dim / 2), llama.cpp's LLAMA_ROPE_TYPE_NEOX: the
+        converter stores q/k rows in Hugging Face's order, which `jllama.formats.gguf`
+        permutes for the adjacent pairs every backend rotates (`llama` files are stored
+        permuted already: LLAMA_ROPE_TYPE_NORM).
+    """
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rotate_half: bool = False
+
+
+ARCHITECTURES = {
+    "llama": Architecture(),
+    "qwen2": Architecture(qkv_bias=True, rotate_half=True),
+    "qwen3": Architecture(qk_norm=True, rotate_half=True),
+}
+"""The `general.architecture` values jllama runs."""
+
+
+def architecture(meta: Mapping[str, Any], source: str) -> tuple[str, Architecture]:
+    """(name, `Architecture`) of a GGUF's `general.architecture`.
+
+    Raises:
+      CheckpointError: an architecture jllama does not run, one line naming it.
+    """
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{source}: architecture {arch!r} is not supported (jllama runs "
+            f"{', '.join(map(repr, ARCHITECTURES))} GGUF files)"
+        )
+    return arch, ARCHITECTURES[arch]
+
+
 def _get(meta: Mapping[str, Any], key: str, source: str, kind: type, default: Any = ...):
     if key not in meta:
         if default is ...:
@@ -70,7 +117,7 @@ def _get(meta: Mapping[str, Any], key: str, source: str, kind: type, default: An
 def config_from_metadata(
     meta: Mapping[str, Any], source: str, seq_len: int | None = None, vocab_size: int | None = None
 ) -> ModelConfig:
-    """`ModelConfig` of a llama-architecture GGUF's metadata (keys in the module docstring).
+    """`ModelConfig` of a GGUF's metadata (architectures and keys in the module docstring).
 
     Args:
       meta: metadata keys to values, as `jllama.formats.gguf.read_metadata` gives.
@@ -79,17 +126,13 @@ def config_from_metadata(
       vocab_size: the token count when the file has no `llama.vocab_size`.
 
     Raises:
-      CheckpointError: not the llama architecture, a required key missing or of the wrong
+      CheckpointError: not an architecture jllama runs, a required key missing or of the wrong
         type, or a feature jllama does not implement (partial rotary, YaRN or LongRoPE
         scaling, a RoPE attn_factor).
       ConfigError: values that do not make a valid model.
     """
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(
-            f"{source}: architecture {arch!r} is not supported (jllama runs 'llama' GGUF files)"
-        )
-    p = "llama."
+    arch, family = architecture(meta, source)
+    p = arch + "."
     dim = _get(meta, p + "embedding_length", source, int)
     n_heads = _get(meta, p + "attention.head_count", source, int)
     n_kv_heads = _get(meta, p + "attention.head_count_kv", source, int, n_heads)
@@ -108,7 +151,7 @@ def config_from_metadata(
             f"{source}: rope.dimension_count={rope_dims} differs from head_dim={head_dim} "
             "(partial rotary embeddings are not supported)"
         )
-    rope_scaling = _rope_scaling(meta, source)
+    rope_scaling = _rope_scaling(meta, source, p)
     context_length = _get(meta, p + "context_length", source, int)
     if vocab_size is None:
         tokens = meta.get("tokenizer.ggml.tokens")
@@ -116,7 +159,7 @@ def config_from_metadata(
     vocab_size = _get(meta, p + "vocab_size", source, int, vocab_size)
     if vocab_size is None:
         raise CheckpointError(
-            f"{source}: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocab size"
+            f"{source}: neither {p}vocab_size nor tokenizer.ggml.tokens gives the vocab size"
         )
     if seq_len is not None and seq_len < 1:
         raise ConfigError(f"seq_len={seq_len} must be at least 1")
@@ -139,6 +182,8 @@ def config_from_metadata(
             rope_theta=rope_theta,
             head_dim=head_dim,
             rope_scaling=rope_scaling,
+            qkv_bias=family.qkv_bias,
+            qk_norm=family.qk_norm,
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
@@ -151,10 +196,10 @@ ROPE_FREQS = "rope_freqs.weight"
 """The tensor of llama.cpp's per-frequency RoPE divisors (Llama 3.1/3.2 scaled RoPE)."""
 
 
-def _rope_scaling(meta: Mapping[str, Any], source: str) -> RopeScaling | None:
-    """The linear RoPE scaling of `llama.rope.scaling.*` (rules in the module docstring), or
+def _rope_scaling(meta: Mapping[str, Any], source: str, prefix: str) -> RopeScaling | None:
+    """The linear RoPE scaling of `{prefix}rope.scaling.*` (rules in the module docstring), or
     None. The per-frequency factors of rope_freqs.weight are added later (`with_rope_freqs`)."""
-    p = "llama.rope."
+    p = prefix + "rope."
     kind = _get(meta, p + "scaling.type", source, str, "linear")
     if kind not in _ROPE_SCALING_TYPES:
         raise CheckpointError(

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints: a folder with `config.json` and safetensors weights.
+"""Hugging Face Llama, Mistral, Qwen2 and Qwen3 checkpoints: a folder with `config.json` and
+safetensors weights.
 
 The folder is what `LlamaForCausalLM.save_pretrained(folder, safe_serialization=True)` writes:
 `config.json`, then either one `model.safetensors` or shards named by
@@ -16,6 +17,9 @@ Tensor names (transformers' LlamaForCausalLM state dict) and where they go:
   model.layers.N.post_attention_layernorm.weight -> rms_ffn_weight[N]
   model.layers.N.self_attn.{q,k,v,o}_proj.weight -> wq/wk/wv/wo[N] (q, k permuted, below)
   model.layers.N.mlp.{gate,down,up}_proj.weight -> w1/w2/w3[N]
+  model.layers.N.self_attn.{q,k,v}_proj.bias -> bq/bk/bv[N] (Qwen2ForCausalLM; q, k permuted)
+  model.layers.N.self_attn.{q,k}_norm.weight -> q_norm/k_norm[N] (Qwen3ForCausalLM; permuted
+    within the head as the rows are)
   model.layers.N.self_attn.rotary_emb.inv_freq (old transformers' buffer) is ignored: the
     frequencies come from config.json.
 A torch Linear stores its weight as [out_features, in_features], llama2.c's out x in, so the
@@ -49,6 +53,7 @@ from jllama.formats.hf_config import (  # noqa: F401 (re-exported: names of this
     LLAMA_MODEL_TYPE,
     config_from_hf,
     context_length,
+    family,
 )
 from jllama.formats.safetensors_file import (  # noqa: F401 (re-exported)
     SAFETENSORS_DTYPES,
@@ -62,7 +67,8 @@ from jllama.formats.safetensors_file import (  # noqa: F401 (re-exported)
     read_safetensors_header,
 )
 from jllama.formats.tensor_names import TensorNames
-from jllama.model.weights import TransformerWeights, expected_shapes
+from jllama.model.rope import rope_row_permutation  # noqa: F401 (re-exported; tests patch it)
+from jllama.model.weights import VECTORS, TransformerWeights, expected_shapes
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -85,10 +91,16 @@ TENSOR_NAMES = TensorNames(
         "mlp.gate_proj": "w1",
         "mlp.down_proj": "w2",
         "mlp.up_proj": "w3",
+        "self_attn.q_proj.bias": "bq",
+        "self_attn.k_proj.bias": "bk",
+        "self_attn.v_proj.bias": "bv",
+        "self_attn.q_norm": "q_norm",
+        "self_attn.k_norm": "k_norm",
     },
     layer_prefix="model.layers.",
 )
-"""transformers' LlamaForCausalLM state-dict names."""
+"""transformers' LlamaForCausalLM state-dict names (and Qwen2's biases, Qwen3's q/k norms;
+Mistral's are Llama's)."""
 _IGNORED_SUFFIX = ".self_attn.rotary_emb.inv_freq"
 
 
@@ -115,17 +127,6 @@ class HFModel(ModelFile):
     """
 
     dtypes: dict[str, str]
-
-
-def rope_row_permutation(n_heads: int, head_dim: int) -> np.ndarray:
-    """Row order that turns HF's rotate-half q/k rows into adjacent-pair rows: int[n*head_dim].
-
-    Within each head, new row 2i is old row i and new row 2i + 1 is old row i + head_dim/2
-    (module docstring), so `w[perm]` is the permuted f32[n_heads * head_dim, dim] matrix.
-    """
-    half = head_dim // 2
-    within = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
-    return (np.arange(n_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
 def _output_dtype(dtype: Any) -> np.dtype | None:
@@ -193,6 +194,7 @@ def read_hf(
             f"{CONFIG_FILE} and its *.safetensors; a llama2.c or GGUF model is one file)")
     cfg = read_json(folder / CONFIG_FILE, "checkpoint config", CheckpointError)
     config = config_from_hf(cfg, source, seq_len=seq_len)
+    kind = family(cfg, source)
     trained_context = context_length(cfg, source)
 
     found = find_tensors(folder, source)
@@ -209,7 +211,11 @@ def read_hf(
                     f"num_hidden_layers={config.n_layers}"
                 )
             raise CheckpointError(
-                f"{source}: unexpected tensor {name!r} (not part of a Llama model)"
+                f"{source}: unexpected tensor {name!r} (not part of a {kind} model)"
+            )
+        if target[0] not in expected_shapes(config):  # a bias or q/k norm of another family
+            raise CheckpointError(
+                f"{source}: unexpected tensor {name!r} (not part of this {kind} model)"
             )
         if target[0] == "wcls" and config.shared_weights:
             continue  # tied: transformers ties lm_head to the embedding over what is stored
@@ -231,7 +237,7 @@ def read_hf(
             )
     if out_dtype is None:
         matrix_dtypes = {
-            stored[name] for name, (_, field, _) in targets.items() if not field.startswith("rms_")
+            stored[name] for name, (_, field, _) in targets.items() if field not in VECTORS
         }
         bf16 = np.dtype(ml_dtypes.bfloat16)
         out_dtype = bf16 if matrix_dtypes == {bf16} else np.dtype(np.float32)
@@ -240,13 +246,14 @@ def read_hf(
     arrays: dict[str, np.ndarray] = {}
     q_perm = rope_row_permutation(config.n_heads, config.head_dim)
     k_perm = rope_row_permutation(config.n_kv_heads, config.head_dim)
+    head_perm = rope_row_permutation(1, config.head_dim)
+    permutations = {"wq": q_perm, "bq": q_perm, "wk": k_perm, "bk": k_perm,
+                    "q_norm": head_perm, "k_norm": head_perm}
     for entry, field, layer in targets.values():
-        field_dtype = np.dtype(np.float32) if field.startswith("rms_") else out_dtype
+        field_dtype = np.dtype(np.float32) if field in VECTORS else out_dtype
         values = np.asarray(mapped.array(entry))  # a plain ndarray view, not np.memmap
-        if field == "wq":
-            values = values[q_perm]
-        elif field == "wk":
-            values = values[k_perm]
+        if field in permutations:  # rows (or a vector's entries) for adjacent-pair RoPE
+            values = values[permutations[field]]
         if layer is None:
             if values.dtype == field_dtype and values.flags.aligned:
                 arrays[field] = values  # a read-only view of the mapped file

@@ -1,13 +1,23 @@
-"""A Hugging Face Llama `config.json` as a `ModelConfig`.
+"""A Hugging Face Llama, Mistral, Qwen2 or Qwen3 `config.json` as a `ModelConfig`.
+
+The families (`ARCHITECTURES`, each an `architectures` entry with its `model_type`):
+  LlamaForCausalLM / "llama", MistralForCausalLM / "mistral" (Llama's block; a sliding
+  window), Qwen2ForCausalLM / "qwen2" (Qwen2, Qwen2.5: q/k/v biases, always),
+  Qwen3ForCausalLM / "qwen3" (per-head q/k RMSNorm before RoPE; head_dim of its own).
+Any other architecture is refused in one line naming it.
 
 config.json keys read (transformers' `LlamaConfig`; defaults are LlamaConfig's):
-  architectures (must hold LlamaForCausalLM) / model_type (must be "llama"),
+  architectures (one of the above) / model_type (its model_type),
   hidden_size -> dim, intermediate_size -> hidden_dim, num_hidden_layers -> n_layers,
   num_attention_heads -> n_heads, num_key_value_heads -> n_kv_heads (default n_heads),
   vocab_size, head_dim (default dim // n_heads), rms_norm_eps -> norm_eps (default 1e-6),
   tie_word_embeddings -> shared_weights (default False),
   max_position_embeddings -> context length, and seq_len capped by the caller (default 2048),
-  hidden_act (must be "silu"), attention_bias / mlp_bias (must be false),
+  hidden_act (must be "silu"), attention_bias / mlp_bias (must be false; Qwen2's q/k/v biases
+  are not this key's: its config leaves it null and the biases are always there),
+  sliding window: `layer_types` (transformers 5: a "sliding_attention" entry), else
+  `use_sliding_window` (Qwen) or a non-null `sliding_window` (Mistral, whose default is 4096)
+  -> sliding_window; the context is then capped at the window (`ModelConfig.sliding_window`),
   RoPE: `rope_scaling` (transformers 4) or else `rope_parameters` (transformers 5, which moved
   rope_theta into it). The type is `rope_type` (or the older `type`): "default"/absent is plain
   RoPE; "linear" needs `factor`; "llama3" needs `factor`, `low_freq_factor`,
@@ -38,6 +48,14 @@ CONFIG_FILE = "config.json"
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 LLAMA_MODEL_TYPE = "llama"
+
+ARCHITECTURES = {
+    LLAMA_ARCHITECTURE: LLAMA_MODEL_TYPE,
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+"""The `architectures` entries jllama reads, each with its `model_type`."""
 
 DEFAULT_MAX_POSITIONS = 2048
 """LlamaConfig's default max_position_embeddings."""
@@ -85,25 +103,58 @@ def _get(
         ) from None
 
 
-def _check_llama(cfg: Mapping[str, Any], source: str) -> None:
+def family(cfg: Mapping[str, Any], source: str) -> str:
+    """The model_type of the family config.json names (`ARCHITECTURES`): "llama", "mistral",
+    "qwen2" or "qwen3".
+
+    Raises:
+      CheckpointError: no architecture and no model_type, or one jllama does not read (one
+        line naming it).
+    """
     archs = cfg.get("architectures")
     model_type = cfg.get("model_type")
+    known = ", ".join(ARCHITECTURES)
     if archs is None and model_type is None:
         raise CheckpointError(
-            f"{source}: config.json names no architecture or model_type (jllama reads "
-            f"{LLAMA_ARCHITECTURE} checkpoints)"
+            f"{source}: config.json names no architecture or model_type (jllama reads {known} "
+            "checkpoints)"
         )
-    if archs is not None and (not isinstance(archs, list) or LLAMA_ARCHITECTURE not in archs):
-        shown = ", ".join(map(str, archs)) if isinstance(archs, list) else repr(archs)
-        raise CheckpointError(
-            f"{source}: architecture {shown} is not supported (jllama reads "
-            f"{LLAMA_ARCHITECTURE} checkpoints)"
-        )
-    if model_type is not None and model_type != LLAMA_MODEL_TYPE:
+    if archs is not None:
+        ours = [a for a in archs if a in ARCHITECTURES] if isinstance(archs, list) else []
+        if not ours:
+            shown = ", ".join(map(str, archs)) if isinstance(archs, list) else repr(archs)
+            raise CheckpointError(
+                f"{source}: architecture {shown} is not supported (jllama reads {known} "
+                "checkpoints)"
+            )
+        want = ARCHITECTURES[ours[0]]
+        if model_type is not None and model_type != want:
+            raise CheckpointError(
+                f"{source}: model_type {model_type!r} does not match architecture {ours[0]} "
+                f"(model_type {want!r})"
+            )
+        return want
+    if model_type not in ARCHITECTURES.values():
         raise CheckpointError(
             f"{source}: model_type {model_type!r} is not supported (jllama reads "
-            f"{LLAMA_MODEL_TYPE!r} checkpoints)"
+            f"{', '.join(map(repr, ARCHITECTURES.values()))} checkpoints)"
         )
+    return model_type
+
+
+def _sliding_window(cfg: Mapping[str, Any], source: str, kind: str) -> int:
+    """The attention window of config.json (module docstring), or 0 for none."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        used = "sliding_attention" in types
+    elif kind in ("qwen2", "qwen3"):
+        used = _get(cfg, "use_sliding_window", source, bool, False)
+    else:
+        used = kind == "mistral"
+    window = _get(cfg, "sliding_window", source, int, 0) if used else 0
+    if window < 0:
+        raise ConfigError(f"{source}: config.json sliding_window={window} is negative")
+    return window
 
 
 def _rope_settings(
@@ -178,7 +229,7 @@ def config_from_hf(
       folder has no lm_head.weight).
 
     Raises:
-      CheckpointError: not a Llama model, a required key missing or of the wrong type, or a
+      CheckpointError: not a family jllama reads, a required key missing or of the wrong type, or a
         feature jllama does not implement (attention/MLP biases, an activation other than
         SiLU, a RoPE type other than default/linear/llama3, partial rotary embeddings).
       ConfigError: values that do not make a valid model, or seq_len < 1.
@@ -186,10 +237,12 @@ def config_from_hf(
     cfg = config_json
     if not isinstance(cfg, Mapping):
         raise CheckpointError(f"{source}: config.json is not a JSON object")
-    _check_llama(cfg, source)
+    kind = family(cfg, source)
     for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise CheckpointError(f"{source}: {key}=true is not supported (Llama has no biases)")
+        if cfg.get(key) and not (kind == "qwen2" and key == "attention_bias"):
+            raise CheckpointError(
+                f"{source}: {key}=true is not supported (jllama's {kind} block has no such biases)"
+            )
     act = _get(cfg, "hidden_act", source, str, "silu")
     if act != "silu":
         raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (only silu)")
@@ -199,6 +252,10 @@ def config_from_hf(
     max_positions = context_length(cfg, source)
     rope_theta, rope_scaling = _rope_settings(cfg, source, max_positions)
     norm_eps = _get(cfg, "rms_norm_eps", source, float, 1e-6)
+    window = _sliding_window(cfg, source, kind)
+    context = min(max_positions, seq_len) if seq_len else max_positions
+    if window:
+        context = min(context, window)  # exact up to the window: ModelConfig.sliding_window
     try:
         check_norm_eps(norm_eps, "config.json rms_norm_eps")
         return ModelConfig(
@@ -208,12 +265,15 @@ def config_from_hf(
             n_heads=n_heads,
             n_kv_heads=_get(cfg, "num_key_value_heads", source, int, n_heads),
             vocab_size=_get(cfg, "vocab_size", source, int),
-            seq_len=min(max_positions, seq_len) if seq_len else max_positions,
+            seq_len=context,
             shared_weights=_get(cfg, "tie_word_embeddings", source, bool, False),
             norm_eps=norm_eps,
             rope_theta=rope_theta,
             head_dim=_get(cfg, "head_dim", source, int, 0),
             rope_scaling=rope_scaling,
+            qkv_bias=kind == "qwen2",
+            qk_norm=kind == "qwen3",
+            sliding_window=window,
         )
     except ConfigError as e:
         hint = " (cap the context with --seq_len)" if "seq_len" in str(e) and not seq_len else ""

@@ -78,6 +78,12 @@ def _check_representable(
             f"whose readers take head_dim = dim / n_heads = {config.dim / config.n_heads:g} and "
             "size the attention matrices by it"
         )
+    for name, what in (("qkv_bias", "q/k/v biases"), ("qk_norm", "q/k norms")):
+        if getattr(config, name):  # not even with force: the model would lose a part
+            raise ConfigError(
+                f"{name}=True: a llama2.c version-{version} file has no place for the {what} "
+                "(Qwen models run from their GGUF or Hugging Face files)"
+            )
     if not force:
         fixed = {
             "norm_eps": (np.float32(config.norm_eps) == np.float32(FIXED_NORM_EPS),

@@ -16,6 +16,9 @@ from jllama.errors import CheckpointError
 from jllama.model.weights import expected_shapes
 
 
+BIAS = ".bias"
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorNames:
     """One format's tensor names.
@@ -23,7 +26,9 @@ class TensorNames:
     Attributes:
       global_names: {tensor name: field} of the tensors outside the layers (the embedding
         table, the final norm, the classifier).
-      layer_names: {module name: field} of each layer's tensors (`rms_att_weight`, `wq`...).
+      layer_names: {module name: field} of each layer's tensors (`rms_att_weight`, `wq`...);
+        a module name that ends in ".bias" is the tensor's whole name after the layer number
+        (`suffix` not added): "attn_q.bias" -> bq.
       layer_prefix: what precedes the layer number, e.g. "blk.".
       suffix: what follows the module name, e.g. ".weight".
     """
@@ -38,9 +43,13 @@ class TensorNames:
         that is not a model tensor or is of a layer >= n_layers."""
         if name in self.global_names:
             return self.global_names[name], None
-        if not (name.startswith(self.layer_prefix) and name.endswith(self.suffix)):
+        if not name.startswith(self.layer_prefix):
             return None
-        number, _, module = name[len(self.layer_prefix) : -len(self.suffix)].partition(".")
+        number, _, module = name[len(self.layer_prefix) :].partition(".")
+        if module.endswith(self.suffix):
+            module = module[: -len(self.suffix)]
+        elif not module.endswith(BIAS):
+            return None
         field = self.layer_names.get(module)
         if field is None or not number.isdecimal() or int(number) >= n_layers:
             return None
@@ -51,7 +60,8 @@ class TensorNames:
         if layer is None:
             return next(k for k, v in self.global_names.items() if v == field)
         module = next(k for k, v in self.layer_names.items() if v == field)
-        return f"{self.layer_prefix}{layer}.{module}{self.suffix}"
+        suffix = "" if module.endswith(BIAS) else self.suffix
+        return f"{self.layer_prefix}{layer}.{module}{suffix}"
 
     def check_complete(
         self, config: ModelConfig, present: set[tuple[str, int | None]], source: str

@@ -25,6 +25,7 @@ import functools
 
 import jax
 
+from jllama.graphs.ops import qkv_extras
 from jllama.kernels import batched
 from jllama.model.config import ModelConfig
 from jllama.model.weights import LayerWeights
@@ -53,7 +54,8 @@ def layer_rows(
     attend,
 ) -> tuple[jax.Array, object, object]:
     """One layer for the R rows of x, as `qkv` + attention + `block` per row: the stacked QKV
-    product for all rows (attention RMSNorm inside), `attend` for RoPE, the cache writes and
+    product for all rows (attention RMSNorm inside), the Qwen biases / q-k norms where the layer
+    has them (`jllama.graphs.ops.qkv_extras`, row by row), `attend` for RoPE, the cache writes and
     attention, then wo + residual, FFN RMSNorm + w1 / w3, SwiGLU + w2 + residual for all rows.
 
     Args:
@@ -76,6 +78,7 @@ def layer_rows(
     eps = config.norm_eps
     with jax.named_scope("qkv_rows"):
         qkv = batched.matvec_batch(layer.wqkv, x, count, norm=layer.rms_att_weight, eps=eps)
+        qkv = qkv_extras(config, qkv, layer.bqkv, layer.q_norm, layer.k_norm)  # per row
     with jax.named_scope("attention_rows"):
         att, key_current, value_current = attend(
             qkv, pos, count, inv_freq, key_current, value_current, key_blocks, value_blocks

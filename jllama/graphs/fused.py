@@ -30,7 +30,7 @@ from jllama.graphs.attention import (
 from jllama.graphs.block import block
 from jllama.graphs.cache_rows import round_trip
 from jllama.graphs.classifier import classifier
-from jllama.graphs.ops import PRECISION, norm_matmul, rope, split_qkv
+from jllama.graphs.ops import PRECISION, norm_matmul, qkv_extras, rope, split_qkv
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("shards", "matvec"))
@@ -64,6 +64,7 @@ def decode_step(
     for l, layer in enumerate(layers):
         with jax.named_scope(f"layer{l}"):
             qkv_out = norm_matmul(layer.wqkv, x, layer.rms_att_weight, c.norm_eps, matvec)
+            qkv_out = qkv_extras(c, qkv_out, layer.bqkv, layer.q_norm, layer.k_norm, shards)
             q, k, v = split_qkv(c, qkv_out, shards)
             q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
             # This position's key and value as the cache will hold them (a read after the

@@ -193,6 +193,7 @@ def decode_loop(
         for l, layer in enumerate(layers):
             q, kcs[l], vcs[l] = qkv.__wrapped__(
                 c, x, layer.rms_att_weight, layer.wqkv, kcs[l], vcs[l], p, inv_freq,
+                bqkv=layer.bqkv, q_norm=layer.q_norm, k_norm=layer.k_norm,
                 shards=shards, matvec=matvec,
             )
             att = attend_current(

@@ -128,3 +128,40 @@ def split_qkv(config, out: jax.Array, shards: int = 1):
         k.reshape(*lead, c.n_kv_heads, c.head_dim),
         v.reshape(*lead, c.n_kv_heads, c.head_dim),
     )
+
+
+def qkv_extras(config, out: jax.Array, bqkv, q_norm, k_norm, shards: int = 1) -> jax.Array:
+    """The Qwen families' steps between the QKV product and RoPE, on the product's output in
+    `wqkv`'s row order (`split_qkv`): out + bqkv (Qwen2's q/k/v biases), then each query and
+    key head RMSNorm'd over head_dim with the gains q_norm / k_norm (Qwen3, transformers'
+    `Qwen3RMSNorm`, eps = norm_eps). A Llama layer (all three None) is returned as it is, so
+    its programs trace exactly as before.
+
+    Args:
+      config: the model's config.
+      out: f32[..., q_dim + 2 * kv_dim].
+      bqkv: f32[q_dim + 2 * kv_dim] in the same row order, or None.
+      q_norm, k_norm: f32[head_dim], or None.
+      shards: the row groups of `split_qkv`.
+
+    Returns:
+      f32[..., q_dim + 2 * kv_dim], rows in the same order (the kernels' RoPE and cache write
+      take it as they take the product's output).
+    """
+    if bqkv is not None:
+        out = out + bqkv
+    if q_norm is None:
+        return out
+    c = config
+    lead = out.shape[:-1]
+    groups = out.reshape(*lead, shards, -1)  # one group on one device
+    qs, ks = c.q_dim // shards, c.kv_dim // shards
+    q, k, v = groups[..., :qs], groups[..., qs : qs + ks], groups[..., qs + ks :]
+
+    def norm_heads(part, weight):
+        heads = part.reshape(*part.shape[:-1], -1, c.head_dim)
+        ms = jnp.mean(heads * heads, axis=-1, keepdims=True) + c.norm_eps
+        return (weight * (heads * jax.lax.rsqrt(ms))).reshape(part.shape)
+
+    q, k = norm_heads(q, q_norm), norm_heads(k, k_norm)
+    return jnp.concatenate([q, k, v], axis=-1).reshape(out.shape)

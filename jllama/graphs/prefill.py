@@ -28,7 +28,7 @@ from jllama.model.config import ModelConfig
 from jllama.graphs.attention import write_positions
 from jllama.graphs.cache_rows import decode, kernel_reads
 from jllama.graphs.classifier import classifier
-from jllama.graphs.ops import PRECISION, split_qkv
+from jllama.graphs.ops import PRECISION, qkv_extras, split_qkv
 from jllama.model.ggml_matrix import gate_up, is_ggml
 from jllama.model.quant import Int8Matrix
 
@@ -79,7 +79,8 @@ def _rope_rows(heads: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def qkv_chunk(
     config: ModelConfig, x: jax.Array, rms_att_weight: jax.Array, wqkv: jax.Array,
     key_block: jax.Array, value_block: jax.Array, pos: jax.Array, cos: jax.Array,
-    sin: jax.Array, *, shards: int = 1,
+    sin: jax.Array, *, bqkv: jax.Array | None = None, q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None, shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`jllama.graphs.qkv` for T tokens at positions pos .. pos+T-1.
 
@@ -95,6 +96,7 @@ def qkv_chunk(
       pos: int32 scalar, the first token's position.
       cos, sin: f32[T, head_dim // 2], the RoPE angles of positions pos .. pos+T-1
         (`jllama.model.rope.rope_cos_sin`, the same for every layer).
+      bqkv, q_norm, k_norm: as `jllama.graphs.qkv` (None for a Llama layer).
       shards: static; wqkv's row groups (as `jllama.graphs.qkv`).
 
     Returns:
@@ -104,6 +106,7 @@ def qkv_chunk(
     c = config
     with jax.named_scope("qkv_chunk"):
         out = _rows_matmul(_rmsnorm_rows(x, rms_att_weight, c.norm_eps), wqkv)
+        out = qkv_extras(c, out, bqkv, q_norm, k_norm, shards)
         q, k, v = split_qkv(c, out, shards)
     with jax.named_scope("rope"):
         q = _rope_rows(q, cos, sin)

@@ -11,7 +11,7 @@ from jllama import kernels
 from jllama.model.config import ModelConfig
 from jllama.graphs.attention import write_positions
 from jllama.graphs.cache_rows import kernel_reads
-from jllama.graphs.ops import norm_matmul, rope, split_qkv
+from jllama.graphs.ops import norm_matmul, qkv_extras, rope, split_qkv
 
 
 @functools.partial(
@@ -28,6 +28,9 @@ def qkv(
     pos: jax.Array,
     inv_freq: jax.Array,
     *,
+    bqkv: jax.Array | None = None,
+    q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None,
     shards: int = 1,
     matvec: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -50,6 +53,9 @@ def qkv(
         updated in place, so the arguments must not be used afterwards.
       pos: int32 scalar, the token's position, 0 <= pos < seq_len.
       inv_freq: f32[head_dim // 2], from `jllama.model.rope.rope_frequencies`.
+      bqkv, q_norm, k_norm: the layer's q/k/v biases f32[q_dim + 2 * kv_dim] (Qwen2) and
+        per-head q / k RMSNorm gains f32[head_dim] (Qwen3), or None
+        (`jllama.graphs.ops.qkv_extras`, applied to the product before RoPE, on every path).
       shards: static; the number of groups wqkv's rows come in (`jllama.graphs.ops.split_qkv`):
         1 on one device, the device count under tensor parallelism.
       matvec: static; how the product runs, "xla" or "kernel" (`jllama.graphs.ops.matmul`).
@@ -64,6 +70,7 @@ def qkv(
     c = config
     with jax.named_scope("qkv"):
         qkv_out = norm_matmul(wqkv, x, rms_att_weight, c.norm_eps, matvec)
+        qkv_out = qkv_extras(c, qkv_out, bqkv, q_norm, k_norm, shards)
     if matvec == "kernel" and shards == 1 and kernel_reads(key_block, value_block):
         with jax.named_scope("rope_cache_write"):
             return kernels.rope_write(qkv_out, pos, inv_freq, key_block, value_block)

@@ -228,8 +228,17 @@ class ModelConfig:
       shared_weights: True when the classifier `wcls` is the token embedding table.
       norm_eps: epsilon inside RMSNorm's square root (llama2.c: 1e-5).
       rope_theta: RoPE base frequency (llama2.c: 10000).
-      head_dim: size of one attention head; defaults to `dim // n_heads` as in run.c.
+      head_dim: size of one attention head; defaults to `dim // n_heads` as in run.c (Qwen3
+        and Mistral's newer models set their own: Qwen3-0.6B has dim 1024, 16 heads of 128).
       rope_scaling: a `RopeScaling`, or None for plain RoPE.
+      qkv_bias: the q, k and v projections add a bias (Qwen2 / Qwen2.5: `bq`, `bk`, `bv` in
+        `TransformerWeights`), added before q/k normalization and RoPE.
+      qk_norm: each head's query and key is RMSNorm'd over head_dim with its own gains (Qwen3:
+        `q_norm`, `k_norm`, eps `norm_eps`) after the projection and before RoPE.
+      sliding_window: attention sees only the last `sliding_window` positions (Mistral v0.1:
+        4096); 0 for none. jllama's attention is full causal attention, which is the same
+        while every position is within the window: `seq_len` must be at most
+        `sliding_window`, and the readers cap the context there.
 
     Raises:
       ConfigError: a size that is non-positive or absurdly large, or sizes that do not fit
@@ -248,6 +257,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     head_dim: int = 0  # 0: derive dim // n_heads
     rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int = 0  # 0: none
 
     def __post_init__(self):
         limits = {
@@ -282,6 +294,18 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} is out of range (1..{MAX_DIM})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} is odd; RoPE rotates pairs")
+        for name in ("qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        window = self.sliding_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ConfigError(f"sliding_window={window!r} must be a non-negative integer")
+        if window and self.seq_len > window:
+            # Full causal attention equals the window's only up to `window` positions.
+            raise ConfigError(
+                f"seq_len={self.seq_len} is past the model's sliding_window={window}: jllama's "
+                f"attention has no sliding window (a context of at most {window} is exact)"
+            )
         check_norm_eps(self.norm_eps)
         check_rope_theta(self.rope_theta)
         scaling = self.rope_scaling
@@ -341,6 +365,8 @@ class ModelConfig:
             + self.q_dim * self.dim * 2  # wq, wo
             + self.kv_dim * self.dim * 2  # wk, wv
             + self.hidden_dim * self.dim * 3  # w1, w2, w3
+            + (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0)  # bq, bk, bv
+            + (2 * self.head_dim if self.qk_norm else 0)  # q_norm, k_norm
         )
         cls = 0 if self.shared_weights else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + cls

@@ -29,7 +29,7 @@ import numpy as np
 from jllama.model.ggml_matrix import MAX_PARTS, GGMLMatrix, RowStack, from_float, is_ggml
 from jllama.model.ggml_repack import X8, can_repack
 from jllama.model.quant import Int8Matrix, concatenate_rows
-from jllama.model.weights import LayerWeights, TransformerWeights
+from jllama.model.weights import LayerWeights, TransformerWeights, layer_vectors
 
 ALIGN = 64
 """Bytes: each matrix starts on a cache line, and XLA CPU aliases only 64-byte aligned arrays."""
@@ -305,7 +305,7 @@ def place_weights(
     built = iter([build(buffer) for build in builders])
     layers = tuple(
         LayerWeights(rms_att_weight=weights.rms_att_weight[l], rms_ffn_weight=weights.rms_ffn_weight[l],
-                     **{name: next(built) for name in DECODE_ORDER})
+                     **{name: next(built) for name in DECODE_ORDER}, **layer_vectors(weights, l))
         for l in range(n_layers)
     )
     return layers, next(built)

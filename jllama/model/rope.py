@@ -79,3 +79,53 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
     """
     angle = np.asarray(positions).astype(np.float32)[:, None] * inv_freq.astype(np.float32)
     return np.cos(angle), np.sin(angle)
+
+
+def rope_row_permutation(n_heads: int, head_dim: int) -> np.ndarray:
+    """Row order that turns rotate-half q/k rows into adjacent-pair rows: int[n*head_dim].
+
+    Hugging Face's Llama, Qwen and Mistral (transformers' `rotate_half`) and llama.cpp's NEOX
+    RoPE (its qwen2 / qwen3 GGUF files) rotate entries i and i + head_dim/2 of a head
+    together; every jllama backend rotates adjacent pairs (2i, 2i + 1), as llama2.c's run.c.
+    Within each head, new row 2i is old row i and new row 2i + 1 is old row i + head_dim/2,
+    so `w[perm]` is the permuted f32[n_heads * head_dim, dim] matrix. Rotating adjacent pairs
+    of the permuted vector is the rotate-half rotation of the original with its entries
+    reordered, and q . k is unchanged when both are reordered alike, so attention is the
+    same. A bias or a per-head norm gain of q / k follows its rows (an RMSNorm over a head
+    does not depend on the order of its entries).
+    """
+    half = head_dim // 2
+    within = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+    return (np.arange(n_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
+
+
+def permute_rows(matrix, order: np.ndarray):
+    """`matrix`'s rows (its second-to-last axis) in `order`: a float array [..., rows, cols]
+    or GGML blocks (a `GGMLMatrix` [rows, cols] or a `LayerStack` of them: whole rows of
+    blocks moved, nothing requantized); a new array (copied out of a mapped file)."""
+    from jllama.model.ggml_matrix import GGMLMatrix, LayerStack
+
+    if isinstance(matrix, LayerStack):
+        return LayerStack(tuple(permute_rows(m, order) for m in matrix.layers))
+    if isinstance(matrix, GGMLMatrix):
+        return GGMLMatrix(np.ascontiguousarray(np.asarray(matrix.data)[..., order, :]),
+                          matrix.type_id, matrix.cols)
+    return np.ascontiguousarray(np.asarray(matrix)[..., order, :])
+
+
+def rotate_half_to_pairs(config: ModelConfig, arrays: dict) -> dict:
+    """`TransformerWeights` fields (by name) of a rotate-half file in jllama's adjacent-pair
+    order (`rope_row_permutation`): wq, wk [L, rows, dim] (float or GGML blocks) by row, bq,
+    bk [L, rows] and q_norm, k_norm [L, head_dim] along their last axis; other fields, and
+    those absent, as they are. Returns a new dict."""
+    q = rope_row_permutation(config.n_heads, config.head_dim)
+    k = rope_row_permutation(config.n_kv_heads, config.head_dim)
+    head = rope_row_permutation(1, config.head_dim)
+    out = dict(arrays)
+    for name, order in (("wq", q), ("wk", k)):
+        if out.get(name) is not None:
+            out[name] = permute_rows(out[name], order)
+    for name, order in (("bq", q), ("bk", k), ("q_norm", head), ("k_norm", head)):
+        if out.get(name) is not None:
+            out[name] = np.ascontiguousarray(np.asarray(out[name])[..., order])
+    return out

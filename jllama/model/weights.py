@@ -43,6 +43,12 @@ class TransformerWeights:
       rms_final_weight: [dim]
       wcls: [vocab_size, dim]           classifier; the same array as token_embedding_table
                                         when the config's shared_weights is True
+      bq: [L, q_dim], bk, bv: [L, kv_dim]   the q/k/v projections' biases when the config's
+                                        qkv_bias is True (Qwen2), else None; bq and bk in the
+                                        rows' order (permuted with wq / wk for RoPE's pairs)
+      q_norm, k_norm: [L, head_dim]     the per-head RMSNorm gains of queries and keys when the
+                                        config's qk_norm is True (Qwen3), else None; in the
+                                        order of a head's rows (permuted with wq / wk)
     """
 
     token_embedding_table: np.ndarray
@@ -57,6 +63,21 @@ class TransformerWeights:
     w3: np.ndarray
     rms_final_weight: np.ndarray
     wcls: np.ndarray
+    bq: np.ndarray | None = None
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+
+
+OPTIONAL_FIELDS = ("bq", "bk", "bv", "q_norm", "k_norm")
+"""`TransformerWeights` fields a config may leave None (llama2.c models have none of them)."""
+
+GAINS = ("rms_att_weight", "rms_ffn_weight", "rms_final_weight", "q_norm", "k_norm")
+"""The RMSNorm gains: float32 in every layout (never quantized)."""
+
+VECTORS = GAINS + ("bq", "bk", "bv")
+"""The fields that are vectors per layer (gains and biases): float32, never quantized."""
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -76,15 +97,23 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "w3": (L, c.hidden_dim, c.dim),
         "rms_final_weight": (c.dim,),
         "wcls": (c.vocab_size, c.dim),
+        **({"bq": (L, c.q_dim), "bk": (L, c.kv_dim), "bv": (L, c.kv_dim)} if c.qkv_bias else {}),
+        **({"q_norm": (L, c.head_dim), "k_norm": (L, c.head_dim)} if c.qk_norm else {}),
     }
 
 
 def check_shapes(config: ModelConfig, weights: TransformerWeights) -> None:
-    """Raise ConfigError naming the first field whose shape does not fit `config`."""
-    for name, shape in expected_shapes(config).items():
-        actual = tuple(np.shape(getattr(weights, name)))
+    """Raise ConfigError naming the first field whose shape does not fit `config` (an optional
+    field the config does not use must be None)."""
+    shapes = expected_shapes(config)
+    for name, shape in shapes.items():
+        value = getattr(weights, name)
+        actual = None if value is None else tuple(np.shape(value))
         if actual != shape:
             raise ConfigError(f"weights.{name} has shape {actual}, expected {shape} for {config}")
+    for name in OPTIONAL_FIELDS:
+        if name not in shapes and getattr(weights, name) is not None:
+            raise ConfigError(f"weights.{name} is given but the config does not use it ({config})")
 
 
 def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> TransformerWeights:
@@ -96,7 +125,7 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> T
     rng = np.random.default_rng(seed)
     arrays = {}
     for name, shape in expected_shapes(config).items():
-        if name.startswith("rms_"):
+        if name in GAINS:
             arrays[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             arrays[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
@@ -145,7 +174,7 @@ def weights_nbytes(weights: TransformerWeights) -> int:
     seen, total = set(), 0
     for field in dataclasses.fields(weights):
         array = getattr(weights, field.name)
-        if id(array) not in seen:
+        if array is not None and id(array) not in seen:
             seen.add(id(array))
             total += array.nbytes
     return total
@@ -258,6 +287,8 @@ class LayerWeights:
       w1: [hidden_dim, dim]
       w2: [dim, hidden_dim]
       w3: [hidden_dim, dim]
+      bqkv: f32[q_dim + 2 * kv_dim]     bq, bk, bv end to end, wqkv's row order (None: no bias)
+      q_norm, k_norm: f32[head_dim]     per-head q / k RMSNorm gains (None: no q/k norm)
     """
 
     rms_att_weight: np.ndarray
@@ -267,6 +298,9 @@ class LayerWeights:
     w1: np.ndarray
     w2: np.ndarray
     w3: np.ndarray
+    bqkv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +340,7 @@ def to_graph_weights(weights: TransformerWeights) -> GraphWeights:
             w1=weights.w1[l],
             w2=weights.w2[l],
             w3=weights.w3[l],
+            **layer_vectors(weights, l),
         )
         for l in range(n_layers)
     )
@@ -315,6 +350,22 @@ def to_graph_weights(weights: TransformerWeights) -> GraphWeights:
         rms_final_weight=weights.rms_final_weight,
         wcls=weights.wcls,
     )
+
+
+def layer_vectors(weights: TransformerWeights, layer: int) -> dict[str, np.ndarray]:
+    """Layer `layer`'s `LayerWeights` fields beyond llama2.c's, as keyword arguments: bqkv
+    (bq, bk, bv end to end, f32) and q_norm / k_norm (f32[head_dim]) where the weights have
+    them; {} for a Llama model."""
+    out = {}
+    if weights.bq is not None:
+        out["bqkv"] = np.concatenate(
+            [np.asarray(weights.bq[layer]), np.asarray(weights.bk[layer]),
+             np.asarray(weights.bv[layer])]
+        ).astype(np.float32)
+    if weights.q_norm is not None:
+        out["q_norm"] = np.asarray(weights.q_norm[layer], np.float32)
+        out["k_norm"] = np.asarray(weights.k_norm[layer], np.float32)
+    return out
 
 
 def _stack_rows(matrices):
@@ -357,6 +408,8 @@ def tensor_stats(weights: TransformerWeights) -> list[TensorStats]:
     stats = []
     for field in dataclasses.fields(weights):
         if field.name == "wcls" and weights.wcls is weights.token_embedding_table:
+            continue
+        if getattr(weights, field.name) is None:
             continue
         array = np.asarray(getattr(weights, field.name))
         finite_mask = np.isfinite(array)

@@ -172,6 +172,11 @@ class TensorParallel:
             w1=_spec_of(layer.w1, rows),
             w2=_spec_of(layer.w2, cols),
             w3=_spec_of(layer.w3, rows),
+            # The bias follows wqkv's rows (regrouped alike by `place_layer`); the per-head
+            # norm gains are the same for every head, so every device holds them.
+            bqkv=None if layer.bqkv is None else PartitionSpec(AXIS),
+            q_norm=None if layer.q_norm is None else rep,
+            k_norm=None if layer.k_norm is None else rep,
         )
 
     def classifier_spec(self, wcls) -> PartitionSpec | Int8Matrix:
@@ -209,6 +214,8 @@ class TensorParallel:
         if self.n_devices > 1:
             order = qkv_row_order(config, self.n_devices)
             layer = dataclasses.replace(layer, wqkv=layer.wqkv[order])
+            if layer.bqkv is not None:
+                layer = dataclasses.replace(layer, bqkv=layer.bqkv[order])
         return self.put(layer, self.layer_specs(layer))
 
 
