@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+import unicodedata
 from itertools import repeat
 from typing import ClassVar
 
@@ -109,6 +110,10 @@ class ByteLevelBPE(DecodesPrintedBytes):
       ignore_merges: True/False overrides the `pre` name's ignore_merges (whether a whole
         pre-token found in the vocabulary is emitted without merging); None keeps it.
       extra_stop_ids: more ids that end a generation (e.g. generation_config.json's).
+      nfc: the text between special tokens is put in Unicode normal form C before it is
+        pre-tokenized (a tokenizer.json's `NFC` normalizer: Qwen's). llama.cpp does not
+        normalize, so a GGUF's vocabulary leaves it False; the two differ only on text that
+        is not in NFC already (a decomposed "é").
 
     Derived at construction: `vocab_size` (the number of tokens), `stop_ids` (eos_id, eot_id,
     eom_id and the tokens whose text is in END_OF_GENERATION_TEXTS) and `control_ids`
@@ -138,6 +143,7 @@ class ByteLevelBPE(DecodesPrintedBytes):
     pattern: str | None = None
     ignore_merges: bool | None = None
     extra_stop_ids: frozenset[int] = frozenset()
+    nfc: bool = False
     vocab_size: int = dataclasses.field(init=False)
     stop_ids: frozenset[int] = dataclasses.field(init=False)
     control_ids: frozenset[int] = dataclasses.field(init=False)
@@ -251,6 +257,8 @@ class ByteLevelBPE(DecodesPrintedBytes):
     def _encode_text(self, text: str) -> list[int]:
         out: list[int] = []
         cache = self._cache
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
         for word in pre_tokenize(text, self._patterns):
             ids = cache.get(word)
             if ids is None:

@@ -3,10 +3,11 @@
 Two kinds of `tokenizer.json` are understood, and built as jllama's own tokenizers (the
 `tokenizers` library is only the tests' oracle):
 
-- byte-level BPE (GPT-2, SmolLM, Llama 3, ...): no normalizer and one of the pre-tokenizers
-  of `BYTE_LEVEL_PRE_TOKENIZERS`, built as a `jllama.tokenizers.bpe.ByteLevelBPE`. Vocabulary
-  tokens are normal tokens, special added tokens control tokens (matched in the text only with
-  parse_special), other added tokens user-defined (always matched, as `tokenizers` does);
+- byte-level BPE (GPT-2, SmolLM, Llama 3, Qwen, ...): no normalizer (or Qwen's NFC) and one
+  of the pre-tokenizers of `BYTE_LEVEL_PRE_TOKENIZERS`, built as a
+  `jllama.tokenizers.bpe.ByteLevelBPE`. Vocabulary tokens are normal tokens, special added
+  tokens control tokens (matched in the text only with parse_special), other added tokens
+  user-defined (always matched, as `tokenizers` does);
 - SentencePiece-style BPE (Llama 2, Mistral v0.1, TinyLlama): `byte_fallback`, spaces written
   as "▁" by a `Prepend("▁")` + `Replace(" ", "▁")` normalizer (or no prefix at all), built as a
   `jllama.tokenizers.spm.Tokenizer` whose scores are minus the rank of each token's first
@@ -38,8 +39,16 @@ from jllama.tokenizers.bpe import (
 from jllama.tokenizers.spm import NO_MERGE_SCORE, SPACE_MARK, Tokenizer
 from jllama.tokenizers.tiktoken_model import LLAMA3_PATTERN
 
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""Qwen's pre-tokenizer regex as its tokenizer.json writes it (Qwen2, Qwen2.5, Qwen3): Llama 3's
+with digits one at a time."""
+
 BYTE_LEVEL_PRE_TOKENIZERS = {
     "llama-bpe": "Sequence[Split(Llama 3 regex, Isolated), ByteLevel(use_regex=False)]",
+    "qwen2": "Sequence[Split(Qwen regex, Isolated), ByteLevel(use_regex=False)]",
     "gpt2": "ByteLevel(use_regex=True)",
     "smollm": "Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)]",
 }
@@ -138,6 +147,10 @@ def _recognise_pre(node: Any, src: str) -> tuple[str, str | None]:
                 return "llama-bpe", pattern
             if (pattern,) == PRE_TOKENIZERS["llama-bpe"].patterns:  # llama.cpp's spelling
                 return "llama-bpe", None
+            if pattern == QWEN2_PATTERN:
+                return "qwen2", pattern
+            if (pattern,) == PRE_TOKENIZERS["qwen2"].patterns:
+                return "qwen2", None
     raise TokenizerError(
         f"{src}: pre_tokenizer {_describe(node)} is not one jllama knows (known: "
         f"{'; '.join(BYTE_LEVEL_PRE_TOKENIZERS.values())})"
@@ -147,7 +160,8 @@ def _recognise_pre(node: Any, src: str) -> tuple[str, str | None]:
 def byte_level_tokenizer(p: Parsed) -> ByteLevelBPE:
     """A byte-level tokenizer.json as a `ByteLevelBPE` (see the module doc)."""
     normalizer = p.data.get("normalizer")
-    if normalizer is not None:
+    nfc = isinstance(normalizer, dict) and normalizer.get("type") == "NFC"  # Qwen's
+    if normalizer is not None and not nfc:
         raise TokenizerError(
             f"{p.source}: normalizer {_describe(normalizer)}; a byte-level BPE tokenizer.json "
             "with a normalizer is not supported"
@@ -184,6 +198,7 @@ def byte_level_tokenizer(p: Parsed) -> ByteLevelBPE:
         pattern=pattern,
         ignore_merges=bool(p.model.get("ignore_merges", False)),
         extra_stop_ids=frozenset(p.stop_ids),
+        nfc=nfc,
     )
     return tokenizer
 

@@ -1,0 +1,135 @@
+"""Make tests/data/qwen_tiny/: tiny Qwen2.5-, Qwen3- and Mistral-style models
+(`tests/qwen_models.py`'s SPECS) converted to GGUF by llama.cpp's own convert_hf_to_gguf.py,
+with transformers' logits on them as the oracle (issue 36).
+
+This is how the committed files were made; CI only reads them. It needs llama.cpp's source
+tree (convert_hf_to_gguf.py with its conversion/ package and gguf-py) besides torch and
+transformers:
+
+    python tests/data/make_qwen_tiny.py --llama-cpp /path/to/llama.cpp
+
+Steps:
+  1. tokenizer.json: Qwen's byte-level BPE (tests/data/ggml-vocab-qwen2.gguf.gz, llama.cpp's
+     copy of Qwen2's vocabulary) cut to its first BASE tokens and the merges among them, with
+     Qwen3's added tokens after them (`SPECIAL_TOKENS`), Qwen's pre-tokenizer (Split on Qwen's
+     regex, Isolated, + ByteLevel without its regex), NFC normalizer and ByteLevel decoder, as
+     Qwen's own tokenizer.json; one tokenizer_config.json per model with its chat template
+     (Qwen2.5-7B-Instruct's, Qwen3-0.6B's; none for the base Mistral);
+  2. each model built by `hf_models.build` (seeded) and saved by save_pretrained (float32);
+  3. convert_hf_to_gguf.py --outtype f32. Its pre-tokenizer check hashes the tokenization of a
+     test string, which this cut vocabulary tokenizes otherwise than Qwen's, so only its
+     `get_vocab_base_pre` is replaced by one that answers "qwen2" (the name it gives Qwen's
+     tokenizer). qwen2 and qwen3 become those architectures, Mistral `llama` (its q/k rows
+     permuted by the converter, as for any Llama);
+  4. transformers' logits of each model for TOKENS (one full-sequence forward), float32, in
+     oracle.npz; the GGUF files gzipped (`gzip -n -9`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from qwen_models import (  # noqa: E402
+    BASE, DATA, SPECIAL_TOKENS, SPECS, TEMPLATES, TOKENS, gguf_path, tokenizer_files,
+)
+
+QWEN_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def vocab() -> tuple[list[str], list[str]]:
+    """(Qwen's first BASE tokens, the merges among them)."""
+    import gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "qwen2.gguf"
+        path.write_bytes(gzip.decompress((HERE / "ggml-vocab-qwen2.gguf.gz").read_bytes()))
+        reader = gguf.GGUFReader(path)
+        tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+        merges = reader.fields["tokenizer.ggml.merges"].contents()
+    keep = set(tokens[:BASE])
+    kept = [m for m in merges
+            if (lambda l, r: l in keep and r in keep and l + r in keep)(*m.split(" ", 1))]
+    return tokens[:BASE], kept
+
+
+def write_tokenizer(out: Path) -> None:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers, processors
+
+    tokens, merges = vocab()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                               merges=[tuple(m.split(" ", 1)) for m in merges]))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in SPECIAL_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    for name, template in TEMPLATES.items():
+        config = {
+            "add_bos_token": False, "add_prefix_space": False, "bos_token": None,
+            "eos_token": "<|im_end|>" if template else "<|endoftext|>",
+            "pad_token": "<|endoftext|>", "errors": "replace", "model_max_length": 131072,
+            "clean_up_tokenization_spaces": False, "split_special_tokens": False,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+        if template:
+            config["chat_template"] = (HERE / "templates" / template).read_text(encoding="utf-8")
+        (out / f"{name}_tokenizer_config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+_CONVERT = """
+import sys, runpy
+llama_cpp = sys.argv.pop(1)
+sys.path.insert(0, llama_cpp + "/gguf-py")
+sys.path.insert(0, llama_cpp)
+import conversion.base as base
+# The only change: name the pre-tokenizer "qwen2" instead of looking its hash up.
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv[0] = llama_cpp + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def main() -> None:
+    import numpy as np
+    from hf_models import build, hf_logits, save
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree")
+    args = parser.parse_args()
+    DATA.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(DATA)
+    logits = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, spec in SPECS.items():
+            folder = Path(tmp) / name
+            model = build(spec)
+            save(model, spec, folder)
+            tokenizer_files(folder, name)
+            logits[name] = hf_logits(model, TOKENS)
+            out = Path(tmp) / f"{name}.gguf"
+            subprocess.run([sys.executable, "-c", _CONVERT, str(args.llama_cpp), str(folder),
+                            "--outtype", "f32", "--outfile", str(out)], check=True)
+            gguf_path(name).write_bytes(gzip.compress(out.read_bytes(), 9, mtime=0))
+    np.savez_compressed(DATA / "oracle.npz", tokens=np.array(TOKENS, np.int32), **logits)
+
+
+if __name__ == "__main__":
+    main()

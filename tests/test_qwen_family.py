@@ -1,0 +1,258 @@
+"""Qwen2.5 (q/k/v biases), Qwen3 dense (per-head q/k RMSNorm, head_dim of its own) and Mistral
+(a sliding window) through both readers and both backends, issue 36 (dense families):
+
+  - Hugging Face folders of tiny random models written by transformers' `Qwen2ForCausalLM`,
+    `Qwen3ForCausalLM` and `MistralForCausalLM` (`tests/qwen_models.py`), with a cut of Qwen's
+    real tokenizer and the models' chat templates: logits of every position against
+    transformers (the oracle, run here) within 1e-4 on the numpy and jax backends, decoded one
+    token at a time and prefilled in chunks;
+  - the same models converted by llama.cpp's own convert_hf_to_gguf.py
+    (tests/data/qwen_tiny/, made by tests/data/make_qwen_tiny.py: architectures qwen2, qwen3,
+    and llama for Mistral): the GGUF's logits against transformers' (oracle.npz, checked here
+    to be the live model's) on both backends, as stored and dequantized; the batched step,
+    the speculative verification step and the fused / loop decode modes on the kernels;
+  - Qwen's tokenizer.json read by jllama against the `tokenizers` library, and the GGUF's
+    vocabulary against it; a chat turn through Qwen3's template;
+  - one-line refusals: other architectures, Qwen3 with attention_bias, a context past
+    Mistral's sliding window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+
+import numpy as np
+import pytest
+from hf_models import build, edit_config, hf_logits, save
+from qwen_models import DATA, GGUF_ARCH, SPECS, TOKENS, gguf_path, tokenizer_files
+
+from jllama.backends import make_backend
+from jllama.errors import CheckpointError, ConfigError
+from jllama.formats.gguf import read_gguf
+from jllama.formats.hf import read_hf
+from jllama.model.config import ModelConfig
+from jllama.model.loading import open_model
+
+ORACLE = np.load(DATA / "oracle.npz")
+SEQ_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """name -> (folder, transformers' logits for TOKENS computed now)."""
+    out = {}
+    for name, spec in SPECS.items():
+        model = build(spec)
+        folder = save(model, spec, tmp_path_factory.mktemp(name))
+        tokenizer_files(folder, name)
+        out[name] = (folder, hf_logits(model, TOKENS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """name -> the converted F32 GGUF, unpacked."""
+    out = {}
+    for name in SPECS:
+        path = tmp_path_factory.mktemp("gguf") / f"{name}.gguf"
+        path.write_bytes(gzip.decompress(gguf_path(name).read_bytes()))
+        out[name] = path
+    return out
+
+
+def _decoded(backend, config, weights) -> np.ndarray:
+    backend.prepare(config, weights)
+    return np.stack([backend.forward(t, pos) for pos, t in enumerate(TOKENS)])
+
+
+def _max_diff(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max())
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_oracle_is_the_live_transformers_model(hf_models, name):
+    # The GGUF files were converted from the models built here (same seeds): their oracle
+    # logits are transformers' on this machine too.
+    assert _max_diff(hf_models[name][1], ORACLE[name]) < 1e-5
+    assert list(ORACLE["tokens"]) == TOKENS
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "jax"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_hf_folder_logits_match_transformers(hf_models, name, backend_name):
+    folder, want = hf_models[name]
+    model = open_model(folder, seq_len=SEQ_LEN)
+    c = model.config
+    assert (c.qkv_bias, c.qk_norm) == (name == "qwen2", name == "qwen3")
+    assert c.head_dim == (32 if name == "qwen3" else 16)
+    assert c.sliding_window == (4096 if name == "mistral" else 0)
+    got = _decoded(make_backend(backend_name), c, model.weights)
+    assert _max_diff(got, want) < 1e-4, name
+    if backend_name == "jax":  # the prefill programs: chunks of the prompt at once
+        backend = make_backend("jax")
+        backend.prepare(c, model.weights)
+        assert _max_diff(backend.prefill_logits(TOKENS, 0), want) < 1e-4
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "jax"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_gguf_logits_match_transformers(gguf_files, name, backend_name):
+    model = read_gguf(gguf_files[name], seq_len=SEQ_LEN)
+    assert model.metadata["general.architecture"] == GGUF_ARCH[name]
+    assert model.tokenizer.pre == "qwen2"
+    c = model.config
+    assert (c.qkv_bias, c.qk_norm, c.head_dim) == (
+        name == "qwen2", name == "qwen3", 32 if name == "qwen3" else 16)
+    got = _decoded(make_backend(backend_name), c, model.weights)
+    assert _max_diff(got, ORACLE[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_gguf_stored_weights_on_every_decode_path(gguf_files, name):
+    """The weights as the file stores them (the kernels' path, rows permuted for RoPE as
+    blocks), through the graph, fused and loop decode modes, the batched step and the
+    speculative verification step."""
+    model = read_gguf(gguf_files[name], seq_len=SEQ_LEN, stored=True)
+    want = ORACLE[name]
+    for decode in ("graph", "fused"):
+        got = _decoded(make_backend("jax", decode=decode), model.config, model.weights)
+        assert _max_diff(got, want) < 1e-4, decode
+    backend = make_backend("jax", decode="loop")
+    backend.prepare(model.config, model.weights)
+    greedy_want = [int(np.argmax(row)) for row in want]
+    prompt = TOKENS[:8]
+    backend.prefill(prompt[:-1], 0)
+    ids, finite = backend.decode_loop(prompt[-1], len(prompt) - 1, 1)
+    assert finite and ids == [greedy_want[len(prompt) - 1]]
+
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    assert backend.batch_kernels()
+    caches = [backend.new_caches() for _ in range(3)]
+    starts = [0, 5, 9]  # three sequences, each TOKENS from its own offset
+    for step in range(6):
+        rows = backend.decode_batch([TOKENS[s + step] for s in starts], [step] * 3, caches)
+        for b, s in enumerate(starts):
+            ref = _decoded_from(model, TOKENS[s:s + step + 1])
+            assert _max_diff(rows[b], ref) < 1e-4
+    backend.use_caches(backend.new_caches())
+    got = backend.verify(TOKENS[:8], 0)
+    assert _max_diff(got, want[:8]) < 1e-4
+
+
+_REFERENCE: dict = {}
+
+
+def _decoded_from(model, tokens) -> np.ndarray:
+    """The numpy backend's logits after `tokens` (fed from position 0)."""
+    key = (id(model), tuple(tokens))
+    if key not in _REFERENCE:
+        backend = make_backend("numpy")
+        backend.prepare(model.config, model.weights)
+        for pos, t in enumerate(tokens):
+            logits = backend.forward(t, pos)
+        _REFERENCE[key] = logits
+    return _REFERENCE[key]
+
+
+def test_tokenizer_json_and_gguf_vocabulary_tokenize_as_qwen(hf_models, gguf_files):
+    from tokenizers import Tokenizer
+
+    folder = hf_models["qwen3"][0]
+    ours = open_model(folder, seq_len=SEQ_LEN).tokenizer
+    theirs = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    from_gguf = read_gguf(gguf_files["qwen3"], seq_len=SEQ_LEN).tokenizer
+    assert ours.pre == from_gguf.pre == "qwen2" and not ours.add_bos
+    texts = ["Hello world, it's 2026!", "  spaces\n\nand lines\r\n", "naïve café 12345",
+             "<|im_start|>user\nhi<|im_end|>", "don't WON'T 'll"]
+    for text in texts:
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, bos=False, parse_special=True) == want, text
+        assert from_gguf.encode(text, bos=False, parse_special=True) == want, text
+        assert ours.decode(want, special=True) == text
+    # NFC: a decomposed "é" is composed first, as Qwen's normalizer does.
+    assert ours.encode("cafe\u0301", bos=False) == theirs.encode("cafe\u0301").ids
+    im_end = ours.encode("<|im_end|>", bos=False, parse_special=True)
+    assert len(im_end) == 1 and im_end[0] in ours.stop_ids
+
+
+def test_qwen3_chat_turn_through_its_template(hf_models):
+    from jllama.chat import ChatTemplate
+    from jllama.generation.conversation import Conversation
+    from jllama.generation.session import Session
+    from jllama.sampling import Sampler
+
+    model = open_model(hf_models["qwen3"][0], seq_len=SEQ_LEN)
+    assert "<think>" in model.chat_template
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    session = Session(model, backend, prefill="token", compile_ahead=False)
+    chat = Conversation(session, ChatTemplate.for_tokenizer(model.chat_template, model.tokenizer))
+    replies = list(chat.say("Hi", Sampler(temperature=0.0), max_tokens=3))
+    assert len(replies) <= 3
+    prompt = model.tokenizer.decode(chat.last.prompt_ids, special=True)
+    assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_other_architectures_are_refused_in_one_line(hf_models, gguf_files, tmp_path):
+    folder = hf_models["qwen2"][0]
+    edit_config(folder, architectures=["Gemma3ForCausalLM"], model_type=None)
+    try:
+        with pytest.raises(CheckpointError, match="architecture Gemma3ForCausalLM is not "
+                                                  "supported") as e:
+            read_hf(folder)
+        assert "\n" not in str(e.value)
+    finally:
+        edit_config(folder, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    from jllama.formats.gguf_config import config_from_metadata
+
+    for arch in ("gemma3", "phi3", "qwen3moe"):
+        with pytest.raises(CheckpointError, match=f"architecture '{arch}' is not supported"):
+            config_from_metadata({"general.architecture": arch}, "m.gguf")
+
+
+def test_qwen3_attention_bias_and_foreign_tensors_refused(hf_models):
+    folder = hf_models["qwen3"][0]
+    edit_config(folder, attention_bias=True)
+    try:
+        with pytest.raises(CheckpointError, match="attention_bias=true is not supported"):
+            read_hf(folder)
+    finally:
+        edit_config(folder, attention_bias=False)
+    # A Qwen2 folder's biases are not part of a Llama model: named, not dropped.
+    qwen2 = hf_models["qwen2"][0]
+    edit_config(qwen2, architectures=["LlamaForCausalLM"], model_type="llama")
+    try:
+        with pytest.raises(CheckpointError, match="unexpected tensor .*bias"):
+            read_hf(qwen2)
+    finally:
+        edit_config(qwen2, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+
+
+def test_sliding_window_caps_the_context_and_is_refused_past_it(hf_models):
+    folder = hf_models["mistral"][0]
+    cfg = json.loads((folder / "config.json").read_text())
+    edit_config(folder, sliding_window=32)
+    try:
+        model = read_hf(folder)
+        assert (model.config.seq_len, model.config.sliding_window) == (32, 32)
+        assert model.context_length == cfg["max_position_embeddings"]
+    finally:
+        edit_config(folder, sliding_window=cfg["sliding_window"])
+    # Qwen's sliding window counts only where use_sliding_window (or layer_types) says so.
+    qwen = hf_models["qwen2"][0]
+    edit_config(qwen, sliding_window=16, use_sliding_window=False, layer_types=None)
+    try:
+        assert read_hf(qwen).config.sliding_window == 0
+    finally:
+        edit_config(qwen, sliding_window=None)
+    config = read_hf(folder, seq_len=SEQ_LEN).config
+    with pytest.raises(ConfigError, match="past the model's sliding_window=4096"):
+        dataclasses.replace(config, seq_len=4097)
+    with pytest.raises(ConfigError, match="qk_norm must be True or False"):
+        ModelConfig(64, 96, 1, 4, 2, 32, 16, qk_norm=1)
