@@ -4,6 +4,10 @@
 At a terminal, lines are read with `readline` (line editing, and the session's messages as
 history under the up arrow), and Ctrl-C stops the reply being written, as llama.cpp's
 llama-cli does; at the prompt it ends the program.
+
+A thinking model's reply (`<think>...</think>` and the answer, `jllama.chat.reasoning`) is
+printed whole with --reasoning=show, `<think>` included where the template opened the block at
+the end of the prompt (so the block reads whole); --reasoning=hide prints the answer alone.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import signal
 import sys
 import threading
 
+from jllama.chat.reasoning import CONTENT, THINK_OPEN, ThinkSplitter, opens_thinking
 from jllama.cli.common import rates, say
 from jllama.cli.options import TextOptions
 from jllama.generation.conversation import ContextFullError
@@ -23,7 +28,8 @@ def main(session, sampler, text: TextOptions) -> int:
     """Chat until stdin ends (or the context is full); returns the exit status."""
     model = session.model
     try:
-        conversation = session.chat(system_prompt=text.system_prompt)
+        conversation = session.chat(system_prompt=text.system_prompt,
+                                    template_kwargs=dict(text.template_kwargs))
     except ChatError as e:
         # A template that does not compile is named by `ChatTemplate.for_tokenizer` already.
         prefix = f"{model.source}: "
@@ -49,13 +55,15 @@ def main(session, sampler, text: TextOptions) -> int:
         if not message.strip():
             continue
         decoder = session.tokenizer.stream_decoder()
+        shown = _Shown(text.reasoning == "hide")
         try:
             with stop or contextlib.nullcontext():
                 reply = conversation.say(message, sampler, max_tokens=text.steps,
                                          grammar=text.grammar)
                 try:
-                    for token in reply:
-                        out.write(decoder.push(token.prev, token.id))
+                    for token in reply:  # the prompt is rendered by the first token
+                        out.write(shown.push(decoder.push(token.prev, token.id),
+                                             conversation.prompt_text))
                         out.flush()
                         if stop is not None and stop.requested:
                             break
@@ -68,7 +76,8 @@ def main(session, sampler, text: TextOptions) -> int:
                 raise JllamaError(f"{e}: give a larger --seq_len") from None
             say(f"context full: {e}; ending the chat")
             return 0
-        out.write(decoder.flush() + "\n")
+        out.write(shown.push(decoder.flush(), conversation.prompt_text) + shown.finish()
+                  + "\n")
         out.flush()
         turn = conversation.last
         if interactive or text.verbose:
@@ -78,6 +87,32 @@ def main(session, sampler, text: TextOptions) -> int:
                 "ending the chat (a larger --seq_len holds more)")
             return 0
     return 0
+
+
+class _Shown:
+    """What of a reply's text is printed: all of it (`<think>` first where the prompt opened
+    the block), or with `hide` only the answer after the think block (`ThinkSplitter`)."""
+
+    def __init__(self, hide: bool):
+        self.hide = hide
+        self._splitter: ThinkSplitter | None = None
+
+    def push(self, text: str, prompt: str) -> str:
+        if self._splitter is None:  # the reply's first text: the prompt is known now
+            if not text:
+                return ""
+            in_think = opens_thinking(prompt)
+            self._splitter = ThinkSplitter(in_think)
+            if in_think and not self.hide:  # the template's own `<think>\n`, then the reply
+                text = prompt[prompt.rindex(THINK_OPEN):] + text
+        if not self.hide:
+            return text
+        return "".join(piece for kind, piece in self._splitter.feed(text) if kind == CONTENT)
+
+    def finish(self) -> str:
+        if not self.hide or self._splitter is None:
+            return ""
+        return "".join(piece for kind, piece in self._splitter.finish() if kind == CONTENT)
 
 
 def read_message(interactive: bool, editing: bool = False) -> str | None:

@@ -88,6 +88,23 @@ flags.DEFINE_enum(
 flags.DEFINE_string(
     "system_prompt", "", "chat: the system message (empty: the chat template's default)."
 )
+flags.DEFINE_enum(
+    "reasoning", "show", ["show", "hide"], "chat: a thinking model's reasoning (its <think> "
+    "block, Qwen3, DeepSeek-R1): show = print it as the model writes it; hide = print only the "
+    "answer after </think>.",
+)
+flags.DEFINE_bool(
+    "enable_thinking", None, "chat and serve: give the chat template enable_thinking=true "
+    "(--enable_thinking) or false (--noenable_thinking: Qwen3 answers without thinking); "
+    "absent: the template's default (a serve request's chat_template_kwargs overrides it).",
+)
+flags.DEFINE_enum(
+    "reasoning_format", "auto", ["auto", "deepseek", "none"], "serve: where a chat reply's "
+    "think block goes (llama.cpp's --reasoning-format): deepseek = message.reasoning_content "
+    "(streamed as delta.reasoning_content), none = left in the content; auto = deepseek for "
+    "models whose chat template writes <think>, else none. A request's reasoning_format "
+    "overrides it.",
+)
 flags.DEFINE_integer(
     "seq_len",
     0,

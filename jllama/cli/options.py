@@ -84,8 +84,10 @@ class SamplingOptions:
 @dataclasses.dataclass(frozen=True)
 class TextOptions:
     """The main job: --mode, --prompt, --steps, --system_prompt, --parse_special,
-    --output_format, --verify_checkpoint, whether to print the rates (--verbosity > 0), and
-    the constraint of --json_schema, --json, --regex or --grammar (None: none)."""
+    --output_format, --verify_checkpoint, whether to print the rates (--verbosity > 0), the
+    constraint of --json_schema, --json, --regex or --grammar (None: none), chat's --reasoning
+    (show or hide a thinking model's think block) and the chat template's extra variables
+    (--enable_thinking, as (name, value) pairs; serve's defaults for every request too)."""
 
     mode: str
     prompt: str
@@ -96,6 +98,8 @@ class TextOptions:
     verify_checkpoint: bool
     verbose: bool
     grammar: Grammar | None = None
+    reasoning: str = "show"
+    template_kwargs: tuple[tuple[str, object], ...] = ()
 
 
 REQUEST_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty",
@@ -124,6 +128,8 @@ class ServeOptions:
     models: tuple[str, ...] = ()
     """--model's NAME=CHECKPOINT values (more models than --checkpoint's)."""
     models_max_loaded: int = 0
+    reasoning_format: str = "auto"
+    """--reasoning_format: where chat replies' think blocks go (`jllama.chat.reasoning`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,13 +196,16 @@ def from_flags() -> Options:
                        jax_modes, *kv_names, kv_flags, f.draft, f.draft_tokens),
         sampling=_sampling(),
         text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
-                         f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint()),
+                         f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint(),
+                         f.reasoning, (() if f.enable_thinking is None
+                                       else (("enable_thinking", f.enable_thinking),))),
         serve=ServeOptions(f.host, f.port, f.model_name, f.max_waiting, f.parallel,
                            tuple(name for name in REQUEST_FLAGS if f[name].present),
                            f.webui, api_keys=tuple(f.api_key or ()),
                            api_key_file=f.api_key_file, cors_origins=tuple(f.cors_origins or ()),
                            models=tuple(f.model or ()),
-                           models_max_loaded=f.models_max_loaded),
+                           models_max_loaded=f.models_max_loaded,
+                           reasoning_format=f.reasoning_format),
         perplexity=PerplexityOptions(f.file, f.ctx, f.chunks, f.seq_len, f["ctx"].present),
         tools=ToolOptions(f.pieces, f.force, f.output, int(f.llama2c_version), f.group_size,
                           f["group_size"].present),

@@ -83,7 +83,9 @@ def main(options: Options) -> int:
 
     compile_programs(run)  # programs compiled per request are kept for the next server too
     app_options = {"webui": serve.webui, "api_keys": api_keys,
-                   "cors_origins": serve.cors_origins}
+                   "cors_origins": serve.cors_origins,
+                   "reasoning_format": serve.reasoning_format,
+                   "chat_template_kwargs": dict(options.text.template_kwargs)}
     if others:
         from jllama.server.models import ModelRouter
 

@@ -11,7 +11,8 @@ e.g. `<|im_end|>`), a length limit, or the end of the context.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from jllama.errors import ChatError, JllamaError
 from jllama.generation.generate import Generation, Token
@@ -64,18 +65,24 @@ class Conversation:
       template: a `jllama.chat.ChatTemplate`; None: the model's own, with the tokenizer's BOS
         and EOS text (`ChatTemplate.for_tokenizer`).
       system_prompt: the first message's content, role "system" (None: the template's default).
+      template_kwargs: more template variables for every turn (e.g. `{"enable_thinking":
+        False}`, Qwen3's switch); None: none.
 
     Attributes:
       messages: the conversation so far, as {"role", "content"} dicts.
       cached_ids: the tokens whose keys and values fill positions 0 .. len-1 of the KV cache.
       last: `TurnStats` of the last turn, or None.
+      prompt_text: the text of the last prompt rendered ("" before the first): a reply starts
+        inside a think block where it ends with an open `<think>`
+        (`jllama.chat.reasoning.opens_thinking`).
 
     Raises:
       ChatError: no template given and the model has none, or it does not compile (the message
         names the model's file).
     """
 
-    def __init__(self, session, template=None, system_prompt: str | None = None):
+    def __init__(self, session, template=None, system_prompt: str | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None):
         self.session = session
         self.tokenizer = session.tokenizer
         if template is None:
@@ -85,6 +92,8 @@ class Conversation:
             template = ChatTemplate.for_tokenizer(model.chat_template, self.tokenizer,
                                                   source=model.source)
         self.template = template
+        self.template_kwargs = dict(template_kwargs or {})
+        self.prompt_text = ""
         self.seq_len = session.config.seq_len
         self.messages: list[dict[str, str]] = []
         if system_prompt:
@@ -98,8 +107,9 @@ class Conversation:
         """Token ids of `messages` rendered by the template (no BOS added: the template writes
         it where it wants one, as with Hugging Face's add_special_tokens=False)."""
         segments = self.template.render_segments(
-            list(messages), add_generation_prompt=add_generation_prompt
+            list(messages), add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
+        self.prompt_text = "".join(text for text, _ in segments)
         return self.tokenizer.encode_segments(segments, bos=False)
 
     def say(self, text: str, sample, max_tokens: int = 0, grammar=None) -> Iterator[Token]:

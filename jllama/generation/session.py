@@ -408,7 +408,7 @@ class Session(SlotsMixin):
             self.backend.compile_for(ctx, ctx - 1, chunked=chunked)
         return self.backend.prefill_logits if chunked else forward_logits(self.backend.forward)
 
-    def chat(self, system_prompt: str | None = None, template=None):
+    def chat(self, system_prompt: str | None = None, template=None, template_kwargs=None):
         """A new `jllama.generation.conversation.Conversation` over this session's KV cache (one at a
         time: a new one, or any other generation, starts the cache again from position 0).
 
@@ -421,6 +421,8 @@ class Session(SlotsMixin):
             default).
           template: a `jllama.chat.ChatTemplate`; None: the model's own, with the
             tokenizer's BOS and EOS text (`ChatTemplate.for_tokenizer`).
+          template_kwargs: more template variables for every turn (e.g.
+            `{"enable_thinking": False}`); None: none.
 
         Raises:
           ChatError: the model has no chat template, or it does not compile.
@@ -431,7 +433,8 @@ class Session(SlotsMixin):
         if template is None and not self.model.chat_template:
             raise ChatError(f"{self.model.source} has no chat template: give one (a "
                             "jllama.chat.ChatTemplate)")
-        return Conversation(self, template=template, system_prompt=system_prompt)
+        return Conversation(self, template=template, system_prompt=system_prompt,
+                            template_kwargs=template_kwargs)
 
 
 __all__ = ["PREFILL_MODES", "Session", "Slot", "Text"]

@@ -10,7 +10,9 @@ input_json_delta, content_block_stop, message_delta, message_stop; `error`), err
 
 The reply's content is one text block, or (tools offered) one `tool_use` block (`id`
 "toolu_...", `name`, `input`: the arguments as an object; {} where max_tokens cut them short),
-or none for an empty reply. stop_reason: "end_turn" (the end-of-turn token), "stop_sequence"
+or none for an empty reply; a thinking model's think block (`jllama.server.reasoning`) is a
+`thinking` block before it (streamed as thinking_delta events, then a signature_delta whose
+`signature` is "": this server signs nothing). stop_reason: "end_turn" (the end-of-turn token), "stop_sequence"
 (`stop_sequence` says which), "max_tokens", "tool_use". usage.input_tokens counts the whole
 rendered prompt (what count_tokens gives), cached prefix or not.
 
@@ -117,8 +119,16 @@ class MessageBuilder:
                                        "index": len(self.content) - 1, "delta": delta}
 
     def add(self, delta: dict) -> list[Event]:
-        """The events of a chat stream delta ({"content"} or {"tool_calls"})."""
+        """The events of a chat stream delta ({"reasoning_content"}, {"content"} or
+        {"tool_calls"})."""
         events: list[Event] = []
+        if delta.get("reasoning_content"):
+            if self._open is None or self._open["type"] != "thinking":
+                events += self._open_block({"type": "thinking", "thinking": "",
+                                            "signature": ""})
+            self._open["thinking"] += delta["reasoning_content"]
+            events.append(self._delta({"type": "thinking_delta",
+                                       "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self._open is None or self._open["type"] != "text":
                 events += self._open_block({"type": "text", "text": ""})
@@ -138,6 +148,9 @@ class MessageBuilder:
     def _close(self) -> list[Event]:
         if self._open is None:
             return []
+        events = []
+        if self._open["type"] == "thinking":  # Anthropic's streams sign a block as it ends
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
         if self._open["type"] == "tool_use":
             try:
                 arguments = json.loads(self._json)
@@ -146,8 +159,8 @@ class MessageBuilder:
             self._open["input"] = arguments if isinstance(arguments, dict) else {}
             self._json = ""
         self._open = None
-        return [("content_block_stop", {"type": "content_block_stop",
-                                        "index": len(self.content) - 1})]
+        return events + [("content_block_stop", {"type": "content_block_stop",
+                                                 "index": len(self.content) - 1})]
 
     def finish(self, stop: tuple[str, str | None], output_tokens: int) -> list[Event]:
         """The last events: the open block closed, message_delta, message_stop."""
@@ -193,8 +206,9 @@ def add_anthropic_routes(app: FastAPI, chat: ChatService) -> None:
             run = await chat.start(request)
         except APIError as e:
             raise renamed(e, RENAMES) from None
-        if hasattr(run.replies[0], "call_id"):
-            run.replies[0].call_id = f"toolu_{secrets.token_hex(12)}"
+        reply = getattr(run.replies[0], "inner", run.replies[0])  # under a ReasoningReply
+        if hasattr(reply, "call_id"):
+            reply.call_id = f"toolu_{secrets.token_hex(12)}"
         return run
 
     async def create(request: Request):

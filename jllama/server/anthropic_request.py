@@ -10,7 +10,11 @@ text / tool_use / tool_result blocks, `tools` (name, description, input_schema),
 - A user message's text blocks are its content (blocks joined with a line break, as chat's
   parts are); each `tool_result` block becomes a tool message answering its `tool_use_id`
   (its content a string or text blocks; `is_error` is not rendered). An assistant message's
-  text blocks are its content and its `tool_use` blocks its calls (`input` as the arguments).
+  text blocks are its content, its `tool_use` blocks its calls (`input` as the arguments) and
+  its `thinking` blocks its `reasoning_content` (`redacted_thinking` blocks are skipped).
+- `thinking` `{"type": "enabled"}` / `{"type": "disabled"}` is the template's
+  `enable_thinking` true / false (Qwen3's switch; `budget_tokens` is not enforced); the reply's
+  think block comes back as a `thinking` block (`jllama.server.reasoning`).
 - `tools` and `tool_choice` become chat's ("any" is "required", `{"type": "tool", "name"}` a
   named function); `disable_parallel_tool_use` changes nothing (one call per reply).
 - `max_tokens` (required) is chat's `max_completion_tokens`; `stop_sequences` are stop strings
@@ -21,8 +25,8 @@ text / tool_use / tool_result blocks, `tools` (name, description, input_schema),
 
 Refused with a 400: a last message from the assistant (prefill: the chat template ends the
 prompt with a new assistant turn, so the reply could not continue it), blocks other than
-text / tool_use / tool_result (images, documents, thinking), server tools (a `type` other
-than "custom"), `thinking` enabled. `metadata`, `service_tier` and the like are ignored.
+text / tool_use / tool_result (images, documents; an assistant's thinking blocks are taken),
+server tools (a `type` other than "custom"). `metadata`, `service_tier` and the like are ignored.
 """
 
 from __future__ import annotations
@@ -46,10 +50,11 @@ RENAMES = (
 """Chat's field names in an error, as the Messages API names them (`chat_run.renamed`)."""
 
 
-def _thinking_off(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("type") not in (None, "disabled"):
-        raise ValueError("extended thinking is not supported by this server's models: leave "
-                         'it out or give {"type": "disabled"}')
+def _thinking(value: Any) -> Any:
+    if value is not None and (not isinstance(value, dict)
+                              or value.get("type") not in ("enabled", "disabled")):
+        raise ValueError('must be {"type": "enabled", "budget_tokens": N} or {"type": '
+                         '"disabled"}')
     return value
 
 
@@ -63,7 +68,7 @@ class CountTokensRequest(BaseModel):
     system: str | list[Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    thinking: Annotated[Any, AfterValidator(_thinking_off)] = None
+    thinking: Annotated[Any, AfterValidator(_thinking)] = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -148,11 +153,15 @@ def _user(content: Any, where: str) -> list[dict]:
 
 def _assistant(content: Any, where: str) -> dict:
     """An assistant message as a chat message: its text and its calls."""
-    texts, calls = [], []
+    texts, calls, reasoning = [], [], []
     for j, block in enumerate(_blocks(content, where)):
         kind, at = block.get("type"), f"{where}[{j}]"
         if kind == "text":
             texts += _texts([block], where)
+        elif kind == "thinking":  # an earlier reply's thinking, given back to the template
+            reasoning.append(_string(block, "thinking", at))
+        elif kind == "redacted_thinking":
+            continue  # encrypted by Anthropic's own models: nothing this server can read
         elif kind == "tool_use":
             arguments = block.get("input")
             if not isinstance(arguments, dict):
@@ -160,9 +169,11 @@ def _assistant(content: Any, where: str) -> dict:
             calls.append({"id": _string(block, "id", at), "type": "function", "function": {
                 "name": _string(block, "name", at), "arguments": json.dumps(arguments)}})
         else:
-            raise _bad(f"{at}.type", 'an assistant block must be "text" or "tool_use" (the '
-                       f"kinds this server supports), got {kind!r}")
+            raise _bad(f"{at}.type", 'an assistant block must be "text", "thinking" or '
+                       f'"tool_use" (the kinds this server supports), got {kind!r}')
     message = {"role": "assistant", "content": texts or None}
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
     return {**message, "tool_calls": calls} if calls else {**message, "content": texts}
 
 
@@ -256,6 +267,12 @@ def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
             fields["tool_choice"] = _tool_choice(body.tool_choice)
     elif _tool_choice(body.tool_choice) not in (None, "auto", "none"):
         raise _bad("tool_choice", "needs tools")
+    if body.thinking is not None:
+        # Extended thinking on or off is the template's switch (Qwen3's enable_thinking);
+        # budget_tokens is not enforced: max_tokens bounds thinking and answer together.
+        given = fields.get("chat_template_kwargs")
+        fields["chat_template_kwargs"] = {**(given if isinstance(given, dict) else {}),
+                                          "enable_thinking": body.thinking["type"] == "enabled"}
     if isinstance(body, MessagesRequest):
         fields["max_completion_tokens"] = body.max_tokens
         for name in ("temperature", "top_p", "top_k"):

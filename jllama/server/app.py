@@ -10,7 +10,9 @@ with `data: [DONE]`; with `stream_options.include_usage`, a last chunk with `usa
 choices). `n` asks for several choices (`jllama.server.choices`: choice i samples with seed + i;
 a stream's chunks carry each choice's index). `response_format` and `tools` constrain the reply
 (`jllama.server.structured`, `jllama.server.tools`); a call comes back as `tool_calls`
-(`jllama.server.tool_reply`). Every refusal is OpenAI's error JSON
+(`jllama.server.tool_reply`). A thinking model's think block comes back as `reasoning_content`
+(`jllama.server.reasoning`; `reasoning_format`), and `chat_template_kwargs` reach the chat
+template. Every refusal is OpenAI's error JSON
 (`jllama.server.errors.APIError`) with its status: 400 for a bad field (named in `param`), 404
 for an unknown model or path, 405 for a wrong method, 413 for a body over the limit (at once
 when its declared length is), 415 for a body that is not JSON by its Content-Type
@@ -25,7 +27,8 @@ from __future__ import annotations
 import secrets
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jllama.chat import ChatTemplate
+from jllama.chat.reasoning import opens_thinking, parses_reasoning
 from jllama.errors import JllamaError
 from jllama.server.access import add_access_control
 from jllama.server.anthropic import add_anthropic_routes
@@ -48,10 +52,11 @@ from jllama.server.payloads import (
     completion_logprobs,
     system_fingerprint,
 )
+from jllama.server.reasoning import ReasoningReply, template_kwargs
 from jllama.server.request_head import TrailingSlashes, VersionPrefix
 from jllama.server.responses import add_responses_routes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
-from jllama.server.structured import response_format_grammar
+from jllama.server.structured import request_grammar
 from jllama.server.tool_reply import TextReply, ToolReply
 from jllama.server.tools import ChatPlan, plan_chat, template_renders_tools
 from jllama.server.transport import BODY_TIMEOUT_S, MAX_BODY_BYTES, read_body, stream
@@ -69,7 +74,9 @@ def _error_response(error: APIError) -> JSONResponse:
 def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYTES,
                body_timeout_s: float = BODY_TIMEOUT_S, webui: bool = True,
                api_keys: Sequence[str] = (), cors_origins: Sequence[str] = (),
-               catalog: Callable[[], list[dict]] | None = None) -> FastAPI:
+               catalog: Callable[[], list[dict]] | None = None,
+               reasoning_format: str = "auto",
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> FastAPI:
     """The FastAPI application serving `engine`'s model under the name `model_id`.
 
     Args:
@@ -84,6 +91,10 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         (`jllama.server.access`).
       catalog: every model's card where the server serves several
         (`jllama.server.models.ModelRouter.catalog`), for /v1/models; None: this one.
+      reasoning_format: how chat replies' think blocks are read, where a request does not
+        say (`jllama.chat.reasoning.REASONING_FORMATS`: auto, deepseek, none).
+      chat_template_kwargs: template variables for every chat request (`serve
+        --enable_thinking`), under a request's own `chat_template_kwargs`.
     """
     model = engine.model
     tokenizer = model.tokenizer
@@ -94,6 +105,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     if model.chat_template:
         template = ChatTemplate.for_tokenizer(model.chat_template, tokenizer, source=model.source)
     renders_tools = template is not None and template_renders_tools(template)
+    parses_reasoning(reasoning_format, None)  # a bad format fails here, not at a request
+    server_kwargs = dict(chat_template_kwargs or {})
 
     # No 307 to the path without its trailing slash: the path is answered as that one.
     app = FastAPI(title="jllama", docs_url=None, redoc_url=None, openapi_url=None,
@@ -224,13 +237,21 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             )
         return ids
 
-    def encode_chat(messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def encode_chat(messages: list[dict], tools: list[dict] | None,
+                    kwargs: dict[str, Any]) -> tuple[list[int], bool]:
+        """The rendered prompt's ids, and whether it ends inside an open think block."""
         try:
             segments = template.render_segments(messages, add_generation_prompt=True,
-                                                tools=tools)
+                                                **{**kwargs, "tools": tools})
         except JllamaError as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
-        return tokenizer.encode_segments(segments, bos=False)
+        prompt = "".join(text for text, _ in segments)
+        return tokenizer.encode_segments(segments, bos=False), opens_thinking(prompt)
+
+    def grammar_field(body: CompletionRequest | ChatCompletionRequest) -> str:
+        """The request field its constraint came from (a 400's param mid-generation)."""
+        return ("grammar" if body.grammar is not None else "structured_outputs"
+                if body.structured_outputs is not None else "response_format")
 
     def submit_all(jobs: list[Job]) -> None:
         """Submit a request's jobs; where the queue refuses one (503), those before it are
@@ -254,13 +275,13 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                           CompletionRequest)
         check_model(body.model)
         samplers = choice_samplers(body, tokenizer.vocab_size)
-        grammar = response_format_grammar(body.response_format)
+        grammar = request_grammar(body.response_format, body.grammar, body.structured_outputs)
         ids = await run_in_threadpool(encode_prompt, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         check_length(ids, "prompt", max_tokens)
         choices = Choices([
             Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs,
-                ignore_eos=body.ignore_eos, grammar=grammar, grammar_param="response_format",
+                ignore_eos=body.ignore_eos, grammar=grammar, grammar_param=grammar_field(body),
                 cache_prompt=body.cache_prompt)
             for sampler in samplers], body.choices)
         submit_all(choices.jobs)
@@ -294,8 +315,10 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             for index, (texts, logprobs, done) in enumerate(results)
         ], "usage": usage([done for _, _, done in results])}
 
-    async def chat_prompt(body: ChatCompletionRequest) -> tuple[ChatPlan, list[int]]:
-        """A chat request's plan (tools, constraint) and its rendered prompt."""
+    async def chat_prompt(body: ChatCompletionRequest
+                          ) -> tuple[ChatPlan, list[int], bool]:
+        """A chat request's plan (tools, constraint), its rendered prompt, and whether that
+        ends inside an open think block."""
         check_model(body.model)
         if template is None:
             raise APIError(
@@ -305,8 +328,12 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         plan = plan_chat(body.message_dicts(), body.tools, body.tool_choice,
-                         body.response_format, renders_tools)
-        return plan, await run_in_threadpool(encode_chat, plan.messages, plan.template_tools)
+                         body.response_format, renders_tools, body.grammar,
+                         body.structured_outputs)
+        kwargs = template_kwargs(server_kwargs, body.chat_template_kwargs)
+        ids, in_think = await run_in_threadpool(encode_chat, plan.messages,
+                                                plan.template_tools, kwargs)
+        return plan, ids, in_think
 
     async def count_chat(body: ChatCompletionRequest) -> int:
         return len((await chat_prompt(body))[1])
@@ -314,7 +341,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     async def start_chat(body: ChatCompletionRequest) -> ChatRun:
         """A chat request checked, rendered and submitted: the path from a request to its
         generation that /v1/chat/completions, /v1/responses and /v1/messages share."""
-        plan, ids = await chat_prompt(body)
+        plan, ids, in_think = await chat_prompt(body)
         samplers = choice_samplers(body, tokenizer.vocab_size)
         max_tokens = body.max_completion_tokens or body.max_tokens
         check_length(ids, "messages", max_tokens, "max_completion_tokens"
@@ -323,12 +350,14 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             Job(ids, sampler, max_tokens, stop=body.stop,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                 ignore_eos=body.ignore_eos, grammar=plan.grammar,
-                grammar_param="tools" if plan.offers_tools else "response_format",
+                grammar_param="tools" if plan.offers_tools else grammar_field(body),
                 finish_by_reply=plan.offers_tools, cache_prompt=body.cache_prompt)
             for sampler in samplers], body.choices)
         submit_all(choices.jobs)
         replies = [ToolReply(expect_call=plan.mode in ("required", "named"))
                    if plan.offers_tools else TextReply() for _ in range(choices.n)]
+        if parses_reasoning(body.reasoning_format or reasoning_format, template.source):
+            replies = [ReasoningReply(reply, in_think) for reply in replies]
         return ChatRun(choices, replies, len(ids))
 
     @app.post("/v1/chat/completions")

@@ -28,10 +28,12 @@ if TYPE_CHECKING:
 
 EXTRA_FIELDS = ("seed", "top_k", "min_p", "repeat_penalty", "presence_penalty",
                 "frequency_penalty", "penalty_last_n", "logit_bias", "samplers", "cache_prompt",
-                "ignore_eos")
-"""jllama's sampler fields (chat completions' own, llama.cpp server's names) that the Responses
-and Messages endpoints pass on to the chat request where a body gives them (with the SDKs:
-`extra_body`); checked there, as on /v1/chat/completions."""
+                "ignore_eos", "chat_template_kwargs", "reasoning_format", "grammar",
+                "structured_outputs")
+"""jllama's sampler fields (chat completions' own, llama.cpp server's names), the template and
+reasoning fields and the grammars (vLLM's, llama.cpp's) that the Responses and Messages endpoints pass on to
+the chat request where a body gives them (with the SDKs: `extra_body`); checked there, as on
+/v1/chat/completions."""
 
 
 @dataclasses.dataclass
@@ -41,7 +43,8 @@ class ChatRun:
     Attributes:
       choices: its jobs (`jllama.server.choices.Choices`; these APIs ask for one choice).
       replies: each choice's reader of the generated text (`TextReply`, or `ToolReply` where
-        tools are offered: text or one call).
+        tools are offered: text or one call; wrapped in a `ReasoningReply` where the think
+        block is read apart, whose deltas then hold `reasoning_content` too).
       prompt_tokens: the rendered prompt's length, tokens.
     """
 

@@ -7,7 +7,10 @@ Source: OpenAI API reference, Responses: the response object (`id` "resp_...", `
 total_tokens) and its streaming events.
 
 The reply is one output item: a `message` with one `output_text` part, or (tools offered) a
-`function_call` with its `call_id`, `name` and `arguments` (a JSON text). `status` is
+`function_call` with its `call_id`, `name` and `arguments` (a JSON text); a thinking model's
+think block (`jllama.server.reasoning`) is a `reasoning` item before it, its text one
+`reasoning_text` content part (streamed as response.reasoning_text.delta... and
+response.reasoning_text.done inside its own output_item.added / output_item.done). `status` is
 "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens" where the
 tokens ran out (max_output_tokens, or the context). Streamed (`stream: true`), the events are
 `event:` / `data:` pairs numbered by `sequence_number`: response.created, response.in_progress,
@@ -98,7 +101,7 @@ class ResponseBuilder:
         self.output.append(item)
         self._open = item
         events.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
-                                 item={**item, "content": []} if item["type"] == "message"
+                                 item={**item, "content": []} if item["type"] != "function_call"
                                  else dict(item)))
         if item["type"] == "message":
             events.append(self.event("response.content_part.added", **self._where(),
@@ -106,8 +109,17 @@ class ResponseBuilder:
         return events
 
     def add(self, delta: dict) -> list[Event]:
-        """The events of a chat stream delta ({"content"} or {"tool_calls"})."""
+        """The events of a chat stream delta ({"reasoning_content"}, {"content"} or
+        {"tool_calls"})."""
         events: list[Event] = []
+        if delta.get("reasoning_content"):
+            if self._open is None or self._open["type"] != "reasoning":
+                events += self._open_item({
+                    "id": _id("rs"), "type": "reasoning", "status": "in_progress",
+                    "summary": [], "content": [{"type": "reasoning_text", "text": ""}]})
+            self._open["content"][0]["text"] += delta["reasoning_content"]
+            events.append(self.event("response.reasoning_text.delta", **self._where(),
+                                     content_index=0, delta=delta["reasoning_content"]))
         if "content" in delta:
             if self._open is None or self._open["type"] != "message":
                 events += self._open_item({
@@ -141,6 +153,9 @@ class ResponseBuilder:
                 self.event("response.content_part.done", **self._where(), content_index=0,
                            part=dict(part)),
             ]
+        elif item["type"] == "reasoning":
+            events.append(self.event("response.reasoning_text.done", **self._where(),
+                                     content_index=0, text=item["content"][0]["text"]))
         else:
             events.append(self.event("response.function_call_arguments.done", **self._where(),
                                      arguments=item["arguments"]))
@@ -151,7 +166,8 @@ class ResponseBuilder:
 
     def finish(self, done: Done) -> list[Event]:
         """The last events: the open item closed (an empty message where the reply had no
-        text), then response.completed or response.incomplete."""
+        text; a reply cut short in its think block is that reasoning item alone, as OpenAI's
+        incomplete reasoning responses), then response.completed or response.incomplete."""
         events = [] if self.output else self.add({"content": ""})
         self.status = "incomplete" if done.finish_reason == "length" else "completed"
         events += self._close(self.status)

@@ -128,6 +128,10 @@ class _Sampling(_Strict):
     user: str | None = None
     ignore_eos: bool = False  # llama.cpp server's: go on past the end-of-generation ids
     cache_prompt: bool = True  # llama.cpp server's: False feeds the whole prompt again
+    # llama.cpp's GBNF / Lark text and vLLM's {"regex" | "grammar" | "json"}: constraints
+    # besides response_format (`jllama.server.structured.request_grammar`).
+    grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                      "presence_penalty", "frequency_penalty", "penalty_last_n", "samplers")
@@ -281,6 +285,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: Any = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's thinking (vLLM's, llama.cpp's)
 
     @field_validator("content")
     @classmethod
@@ -320,7 +325,8 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions. `max_tokens` (or `max_completion_tokens`) absent: until the
     end-of-turn token or the context is full. `logprobs` / `top_logprobs` (0 to 20) as OpenAI's.
-    A "developer" message is given to the template as "system" (OpenAI's newer name for it)."""
+    A "developer" message is given to the template as "system" (OpenAI's newer name for it);
+    an assistant message's `reasoning_content` is given to it as that message's."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -330,6 +336,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: Any = None
+    # vLLM's and llama.cpp's: more chat template variables (checked by
+    # `jllama.server.reasoning.template_kwargs`), and how the reply's think block is read
+    # (`jllama.chat.reasoning.REASONING_FORMATS`; None: the server's --reasoning_format).
+    chat_template_kwargs: Any = None
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
 
     def message_dicts(self) -> list[dict]:
         """The messages as the chat template reads them: {"role", "content"} dicts (content
@@ -342,6 +353,8 @@ class ChatCompletionRequest(_Sampling):
                 item["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:
                 item["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None and m.role == "assistant":
+                item["reasoning_content"] = m.reasoning_content  # Qwen3's template reads it
             out.append(item)
         return out
 

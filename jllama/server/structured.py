@@ -4,6 +4,11 @@ Source: OpenAI API reference, chat completions `response_format`: `{"type": "tex
 `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema", "json_schema": {"name",
 "description", "schema", "strict"}}`. jllama accepts it on /v1/completions too, as llama.cpp's and
 vLLM's servers do.
+
+Two other servers' fields give grammars that are not JSON (`request_grammar`): llama.cpp's
+`grammar` (GBNF, or llguidance's Lark, as the command's --grammar) and vLLM's
+`structured_outputs` (`{"regex": PATTERN}`, `{"grammar": TEXT}` or `{"json": SCHEMA}`, one
+of them), e.g. a regex that makes a thinking model's reply `<think>...</think>` and an answer.
 """
 
 from __future__ import annotations
@@ -59,6 +64,50 @@ def response_format_grammar(value: Any) -> Grammar | None:
         raise APIError(400, f"{where}.strict: must be a boolean", param=f"{where}.strict")
     schema = spec.get("schema", {"type": "object"})
     return schema_grammar(schema, f"{where}.schema", strict=bool(strict))
+
+
+def request_grammar(response_format: Any, grammar: Any = None,
+                    structured_outputs: Any = None) -> Grammar | None:
+    """The grammar of a request's `response_format`, llama.cpp's `grammar` or vLLM's
+    `structured_outputs`, at most one of them given.
+
+    Raises:
+      APIError (400): two of them given, a malformed one, or a grammar llguidance refuses
+        (`param` names the field).
+    """
+    given = [name for name, value in (("response_format", response_format),
+                                      ("grammar", grammar),
+                                      ("structured_outputs", structured_outputs))
+             if value is not None]
+    if len(given) > 1:
+        raise APIError(400, f"{' and '.join(given)}: give one constraint, not several",
+                       param=given[1])
+    if grammar is not None:
+        return _text_grammar("grammar", grammar)
+    if structured_outputs is None:
+        return response_format_grammar(response_format)
+    where = "structured_outputs"
+    kinds = ("regex", "grammar", "json")
+    if (not isinstance(structured_outputs, dict)
+            or len([k for k in kinds if structured_outputs.get(k) is not None]) != 1):
+        raise APIError(400, f"{where}: must be an object with one of {', '.join(kinds)} "
+                       "(vLLM's fields; others are not supported)", param=where)
+    if structured_outputs.get("json") is not None:
+        return schema_grammar(structured_outputs["json"], f"{where}.json", strict=False)
+    kind = "regex" if structured_outputs.get("regex") is not None else "grammar"
+    return _text_grammar(f"{where}.{kind}", structured_outputs[kind], regex=kind == "regex")
+
+
+def _text_grammar(param: str, text: Any, regex: bool = False) -> Grammar:
+    """A regex, or a grammar in GBNF (text with "::=") or Lark, as a 400 naming `param` where
+    llguidance refuses it."""
+    if not isinstance(text, str) or not text:
+        raise APIError(400, f"{param}: must be a non-empty string", param=param)
+    kind = "regex" if regex else "gbnf" if "::=" in text else "lark"
+    try:
+        return Grammar.of(kind, text)
+    except GrammarError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
 
 
 def schema_grammar(schema: Any, param: str, strict: bool) -> Grammar:

@@ -35,7 +35,7 @@ from typing import Any
 from jllama.constrain import Grammar, GrammarError
 from jllama.errors import JllamaError
 from jllama.server.errors import APIError
-from jllama.server.structured import response_format_grammar, schema_grammar
+from jllama.server.structured import request_grammar, schema_grammar
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 _LAYOUT = {"whitespace_flexible": False, "whitespace_pattern": None,  # None: not the default
@@ -263,8 +263,10 @@ class ChatPlan:
 
 
 def plan_chat(messages: list[dict], tools: Any, tool_choice: Any, response_format: Any,
-              renders_tools: bool) -> ChatPlan:
-    """A chat request's `ChatPlan` from its messages, tools, tool_choice and response_format.
+              renders_tools: bool, grammar: Any = None,
+              structured_outputs: Any = None) -> ChatPlan:
+    """A chat request's `ChatPlan` from its messages, tools, tool_choice and response_format
+    (or llama.cpp's `grammar`, vLLM's `structured_outputs`: `request_grammar`).
 
     Raises:
       APIError (400): a bad `tools`, `tool_choice`, `response_format` or `tool_calls` item
@@ -275,12 +277,14 @@ def plan_chat(messages: list[dict], tools: Any, tool_choice: Any, response_forma
     mode, name = parse_tool_choice(tool_choice, checked)
     if checked is None:
         mode = "none"  # "auto" (or "none") with no tools: nothing to call
-    grammar = response_format_grammar(response_format)
+    constraint = request_grammar(response_format, grammar, structured_outputs)
     offered = checked if mode != "none" else None
-    if mode == "auto" and grammar is not None:
-        raise APIError(400, 'response_format: not supported with tools and tool_choice "auto" '
-                       '(give tool_choice "none", "required" or a function)',
-                       param="response_format")
+    if mode == "auto" and constraint is not None:
+        field = ("grammar" if grammar is not None else "structured_outputs"
+                 if structured_outputs is not None else "response_format")
+        raise APIError(400, f'{field}: not supported with tools and tool_choice "auto" '
+                       '(give tool_choice "none", "required" or a function)', param=field)
+    grammar = constraint
     if offered:
         # A reply that must be a call has no content for response_format to shape.
         grammar = call_grammar(offered, mode, name)

@@ -1,0 +1,83 @@
+"""Thinking models' replies on the chat path: the think block as `reasoning_content`, and the
+chat template's extra variables (`chat_template_kwargs`, e.g. `{"enable_thinking": false}`).
+
+Sources: vLLM's and llama.cpp's OpenAI-compatible servers, which both add `reasoning_content`
+to the assistant message (streamed as `delta.reasoning_content` pieces before the
+`delta.content` ones) and take `chat_template_kwargs` in a chat request; the block is found by
+`jllama.chat.reasoning` (llama.cpp's `deepseek` format).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jllama.chat.reasoning import CONTENT, ThinkSplitter, split_reasoning
+from jllama.server.errors import APIError
+from jllama.server.tool_reply import TextReply
+
+_SET_BY_SERVER = ("messages", "add_generation_prompt", "tools")
+"""Template variables the server sets from the request itself (a request's
+chat_template_kwargs may not name them)."""
+
+
+def template_kwargs(defaults: Mapping[str, Any], given: Any) -> dict[str, Any]:
+    """The chat template's extra variables: the server's (`serve --enable_thinking`), then the
+    request's `chat_template_kwargs` over them.
+
+    Raises:
+      APIError (400, param "chat_template_kwargs"): not an object, or a key the server sets
+        itself (messages, add_generation_prompt, tools: give those as the request's fields).
+    """
+    if given is None:
+        return dict(defaults)
+    if not isinstance(given, dict):
+        raise APIError(400, "chat_template_kwargs: must be an object of template variables, "
+                       'e.g. {"enable_thinking": false}', param="chat_template_kwargs")
+    for key in given:
+        if key in _SET_BY_SERVER:
+            raise APIError(400, f"chat_template_kwargs: {key!r} is set from the request "
+                           "itself and cannot be given here", param="chat_template_kwargs")
+    return {**defaults, **given}
+
+
+class ReasoningReply:
+    """A chat reply whose think block is `reasoning_content`: the text after the block goes to
+    the reply it wraps (`TextReply`, or `ToolReply` with tools offered), as if the block had
+    not been written.
+
+    Args:
+      inner: the reply reader of the content.
+      in_think: the prompt opened the block (`jllama.chat.reasoning.opens_thinking`).
+    """
+
+    def __init__(self, inner: TextReply, in_think: bool):
+        self.inner = inner
+        self.in_think = in_think
+        self._splitter = ThinkSplitter(in_think)
+
+    def _as_deltas(self, pieces: list[tuple[str, str]]) -> list[dict]:
+        out: list[dict] = []
+        for kind, text in pieces:
+            if kind == CONTENT:
+                out += self.inner.deltas(text)
+            else:
+                out.append({"reasoning_content": text})
+        return out
+
+    def deltas(self, text: str) -> list[dict]:
+        """Stream deltas for the next piece of text: `{"reasoning_content"}` inside the block,
+        the inner reply's deltas after it."""
+        return self._as_deltas(self._splitter.feed(text))
+
+    def final_deltas(self) -> list[dict]:
+        return self._as_deltas(self._splitter.finish()) + self.inner.final_deltas()
+
+    def message(self, text: str) -> dict:
+        """The whole reply as an assistant message: the inner reply's, with
+        `reasoning_content` (null where the reply has no think block)."""
+        reasoning, content = split_reasoning(text, self.in_think)
+        return {**self.inner.message(content), "reasoning_content": reasoning}
+
+    def finish_reason(self, reason: str) -> str:
+        return self.inner.finish_reason(reason)

@@ -1,0 +1,202 @@
+"""Thinking models through `jllama serve`'s APIs with the official clients: the think block as
+`reasoning_content` (chat completions, streamed and not), a `reasoning` item (Responses), a
+`thinking` block (Anthropic's Messages), `chat_template_kwargs` / `enable_thinking`.
+
+Model: the tiny random Llama 3.2 test model with Qwen3-0.6B's real chat template, whose
+generation prompt also opens `<think>` when the variable `think_open` is given (what
+Qwen3-Thinking-2507's template always does). A random model never writes `</think>` by itself,
+so every reply is made a think block and an answer by vLLM's `structured_outputs` regex; the
+reference split is the reply with `reasoning_format: "none"` (its raw text), cut here by
+Python's `re`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from jllama.backends import make_backend
+from jllama.model.loading import open_model
+from jllama.server import ServerThread
+
+DATA = Path(__file__).parent / "data"
+LLAMA32_TINY = DATA / "llama32_tiny" / "hf"
+QWEN3_PROMPT = "{{- '<|im_start|>assistant\\n' }}"
+QWEN3_TEMPLATE = (DATA / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text().replace(
+    "    {%- if enable_thinking is defined and enable_thinking is false %}",
+    "    {%- if think_open is defined and think_open %}\n        {{- '<think>\\n' }}\n"
+    "    {%- elif enable_thinking is defined and enable_thinking is false %}", 1)
+ASK = [{"role": "user", "content": "What is two and two?"}]
+THINK = {"regex": "<think>\n[a-z]{4,12}\n</think>\n\n[a-z]{3,12}"}
+OPENED = {"regex": "[a-z]{4,12}\n</think>\n\n[a-z]{3,12}"}
+RAW = re.compile(r"(?:<think>)?\n?([a-z]+)\n</think>\n\n([a-z]+)")
+
+
+def test_the_template_opens_think_where_asked():
+    assert QWEN3_PROMPT in QWEN3_TEMPLATE and "think_open" in QWEN3_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = open_model(LLAMA32_TINY, seq_len=256)
+    model = dataclasses.replace(model, chat_template=QWEN3_TEMPLATE)
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    with ServerThread(model, backend, "m") as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+def _chat(client, constraint, stream=False, **extra):
+    return client.chat.completions.create(
+        model="m", messages=ASK, temperature=0, stream=stream,
+        extra_body={"structured_outputs": constraint, **extra})
+
+
+def _streamed(chunks) -> tuple[list[tuple[str, str]], str]:
+    """The stream's (kind, text) deltas in order, and its finish_reason."""
+    pieces, finish = [], None
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        delta = choice.delta
+        reasoning = getattr(delta, "reasoning_content", None)
+        if reasoning:
+            pieces.append(("reasoning", reasoning))
+        if delta.content:
+            pieces.append(("content", delta.content))
+        finish = choice.finish_reason or finish
+    return pieces, finish
+
+
+def _joined(pieces, kind) -> str:
+    return "".join(text for k, text in pieces if k == kind)
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["model-opens", "template-opens"])
+def test_reasoning_content_apart_streamed_and_not(client, opened):
+    constraint, kwargs = (OPENED, {"think_open": True}) if opened else (THINK, None)
+    extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+    raw = _chat(client, constraint, reasoning_format="none", **extra).choices[0]
+    match = RAW.fullmatch(raw.message.content)
+    assert match, raw.message.content
+    assert raw.message.content.startswith("<think>") is not opened
+    assert getattr(raw.message, "reasoning_content", None) is None
+
+    whole = _chat(client, constraint, **extra).choices[0]
+    assert whole.finish_reason == "stop"
+    assert whole.message.reasoning_content == match.group(1)
+    assert whole.message.content == match.group(2)
+
+    pieces, finish = _streamed(_chat(client, constraint, stream=True, **extra))
+    assert finish == "stop"
+    kinds = [kind for kind, _ in pieces]
+    assert kinds == sorted(kinds, key=lambda k: k != "reasoning")  # all reasoning first
+    assert "reasoning" in kinds and "content" in kinds
+    assert _joined(pieces, "reasoning") == match.group(1)
+    assert _joined(pieces, "content") == match.group(2)
+
+
+def test_a_block_never_closed_is_all_reasoning(client):
+    extra = {"chat_template_kwargs": {"think_open": True}}
+    long = {"regex": "[a-z]{30,40}\n</think>\n\nok"}
+    whole = client.chat.completions.create(
+        model="m", messages=ASK, temperature=0, max_tokens=4,
+        extra_body={"structured_outputs": long, **extra}).choices[0]
+    assert whole.finish_reason == "length"
+    assert whole.message.content == ""
+    assert re.fullmatch("[a-z]+", whole.message.reasoning_content)
+    pieces, finish = _streamed(client.chat.completions.create(
+        model="m", messages=ASK, temperature=0, max_tokens=4, stream=True,
+        extra_body={"structured_outputs": long, **extra}))
+    assert finish == "length"
+    assert {kind for kind, _ in pieces} == {"reasoning"}
+    assert _joined(pieces, "reasoning") == whole.message.reasoning_content
+
+
+def test_enable_thinking_reaches_the_template(client):
+    plain = {"regex": "[a-z]{3,12}"}
+    on = _chat(client, plain)
+    off = _chat(client, plain, chat_template_kwargs={"enable_thinking": False})
+    # Qwen3's template writes an empty think block into the prompt when thinking is off.
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens
+    for reply in (on, off):
+        assert reply.choices[0].message.reasoning_content is None
+        assert re.fullmatch("[a-z]{3,12}", reply.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as bad:
+        _chat(client, plain, chat_template_kwargs={"messages": []})
+    assert bad.value.body["param"] == "chat_template_kwargs"
+
+
+def test_reasoning_content_of_an_earlier_turn_is_given_to_the_template(client):
+    # Qwen3's template writes the thinking of the assistant turns after the last user message
+    # (a call and its result) and drops older ones.
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
+
+    def prompt_tokens(**reasoning):
+        messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call],
+                           **reasoning},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+        return client.chat.completions.create(model="m", messages=messages, temperature=0,
+                                              max_tokens=1).usage.prompt_tokens
+
+    assert prompt_tokens(reasoning_content="two and two make four") > prompt_tokens()
+
+
+def test_responses_reasoning_item(client):
+    kwargs = dict(model="m", input="What is two and two?", temperature=0,
+                  extra_body={"structured_outputs": THINK})
+    raw = client.responses.create(**{**kwargs, "extra_body": {
+        "structured_outputs": THINK, "reasoning_format": "none"}})
+    match = RAW.fullmatch(raw.output_text)
+    assert match, raw.output_text
+    done = client.responses.create(**kwargs)
+    assert [item.type for item in done.output] == ["reasoning", "message"]
+    assert done.output[0].content[0].text == match.group(1)
+    assert done.output_text == match.group(2)
+    events = list(client.responses.create(stream=True, **kwargs))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == match.group(1)
+    final = events[-1].response
+    assert final.output[0].content[0].text == match.group(1)
+    assert final.output_text == match.group(2)
+
+
+def test_messages_thinking_block(server):
+    with anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0,
+                             timeout=120) as client:
+        kwargs = dict(model="m", max_tokens=64, messages=ASK,
+                      thinking={"type": "enabled", "budget_tokens": 1024},
+                      extra_body={"structured_outputs": THINK, "temperature": 0})
+        message = client.messages.create(**kwargs)
+        assert [block.type for block in message.content] == ["thinking", "text"]
+        thinking, text = message.content
+        assert re.fullmatch("[a-z]+", thinking.thinking) and thinking.signature == ""
+        assert re.fullmatch("[a-z]+", text.text)
+        with client.messages.stream(**kwargs) as stream:
+            streamed = stream.get_final_message()
+        assert [block.type for block in streamed.content] == ["thinking", "text"]
+        assert streamed.content[0].thinking == thinking.thinking
+        assert streamed.content[1].text == text.text
+        # A thinking block given back in the conversation is taken (Qwen3 drops it).
+        again = client.messages.create(model="m", max_tokens=2, messages=[
+            *ASK, {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "add", "signature": ""},
+                {"type": "text", "text": "four"}]},
+            {"role": "user", "content": "Thanks"}])
+        assert again.stop_reason == "max_tokens"
+        off = client.messages.count_tokens(model="m", messages=ASK,
+                                           thinking={"type": "disabled"})
+        on = client.messages.count_tokens(model="m", messages=ASK)
+        assert off.input_tokens > on.input_tokens
