@@ -24,7 +24,7 @@ from jllama.formats.llama2c import (
     read_checkpoint_header,
     write_checkpoint,
 )
-from jllama.model.weights import random_weights
+from jllama.model.weights import expected_shapes, random_weights
 
 MAGIC = 0x616B3432  # export.py: struct.pack('I', 0x616b3432), "ak42"
 # dim and hidden_dim multiples of 64, so export.py's default group size 64 is kept.
@@ -32,7 +32,7 @@ SMALL = ModelConfig(
     dim=64, hidden_dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, seq_len=16,
     shared_weights=False,
 )
-FIELDS = [f.name for f in dataclasses.fields(random_weights(SMALL))]
+FIELDS = list(expected_shapes(SMALL))  # a Llama's: no biases, no q/k norms
 
 
 def _config(shared: bool, base: ModelConfig = SMALL) -> ModelConfig:

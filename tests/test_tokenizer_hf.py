@@ -665,7 +665,7 @@ def test_unknown_pre_tokenizer(llama3, tmp_path, pre, found):
 
 @pytest.mark.parametrize("change, match", [
     (lambda d: d["model"].update(type="WordPiece"), "model type 'WordPiece'"),
-    (lambda d: d.update(normalizer={"type": "NFC"}), "normalizer NFC"),
+    (lambda d: d.update(normalizer={"type": "NFKC"}), "normalizer NFKC"),
     (lambda d: d["added_tokens"][0].update(rstrip=True), "rstrip=true"),
     (lambda d: d["model"].update(merges=[["a"]]), "merges\\[0\\].*not two tokens"),
     (lambda d: d.update(model=[]), "model is list, expected dict"),

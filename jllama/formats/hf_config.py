@@ -130,8 +130,8 @@ def family(cfg: Mapping[str, Any], source: str) -> str:
         want = ARCHITECTURES[ours[0]]
         if model_type is not None and model_type != want:
             raise CheckpointError(
-                f"{source}: model_type {model_type!r} does not match architecture {ours[0]} "
-                f"(model_type {want!r})"
+                f"{source}: model_type {model_type!r} is not supported with architecture "
+                f"{ours[0]} (whose model_type is {want!r})"
             )
         return want
     if model_type not in ARCHITECTURES.values():
