@@ -13,6 +13,7 @@ Python's `re`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -155,8 +156,8 @@ def test_reasoning_content_of_an_earlier_turn_is_given_to_the_template(client):
 
 
 def test_responses_reasoning_item(client):
-    kwargs = dict(model="m", input="What is two and two?", temperature=0,
-                  extra_body={"structured_outputs": THINK})
+    kwargs = {"model": "m", "input": "What is two and two?", "temperature": 0,
+              "extra_body": {"structured_outputs": THINK}}
     raw = client.responses.create(**{**kwargs, "extra_body": {
         "structured_outputs": THINK, "reasoning_format": "none"}})
     match = RAW.fullmatch(raw.output_text)
@@ -176,9 +177,9 @@ def test_responses_reasoning_item(client):
 def test_messages_thinking_block(server):
     with anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0,
                              timeout=120) as client:
-        kwargs = dict(model="m", max_tokens=64, messages=ASK,
-                      thinking={"type": "enabled", "budget_tokens": 1024},
-                      extra_body={"structured_outputs": THINK, "temperature": 0})
+        kwargs = {"model": "m", "max_tokens": 64, "messages": ASK,
+                  "thinking": {"type": "enabled", "budget_tokens": 1024},
+                  "extra_body": {"structured_outputs": THINK, "temperature": 0}}
         message = client.messages.create(**kwargs)
         assert [block.type for block in message.content] == ["thinking", "text"]
         thinking, text = message.content
@@ -200,3 +201,64 @@ def test_messages_thinking_block(server):
                                            thinking={"type": "disabled"})
         on = client.messages.count_tokens(model="m", messages=ASK)
         assert off.input_tokens > on.input_tokens
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                 "additionalProperties": False}
+
+
+@pytest.mark.parametrize("thinking", ["open", "", "closed"])
+def test_response_format_shapes_the_answer_after_the_block(thinking):
+    """`after_thinking`'s grammar, held to exact texts by llguidance's matcher on the tiny
+    model's vocabulary: a free block up to the first `</think>` (where the prompt opened it, or
+    where the reply opens it itself), then whitespace and the schema's JSON."""
+    import llguidance
+
+    from jllama.constrain import Grammar
+    from jllama.constrain.vocabulary import vocabulary_for
+    from jllama.server.reasoning import after_thinking
+
+    tokenizer = open_model(LLAMA32_TINY, seq_len=64).tokenizer
+    vocabulary = vocabulary_for(tokenizer)
+    grammar = after_thinking(Grammar.json_schema(ANSWER_SCHEMA), thinking)
+
+    def matches(text: str) -> bool:
+        matcher = llguidance.LLMatcher(vocabulary.lltokenizer, grammar.llguidance, log_level=0)
+        return (all(matcher.consume_token(t) for t in tokenizer.encode(text, bos=False))
+                and matcher.is_accepting())
+
+    answer = '{"a": 4}'
+    block = "two and two, <b>four</b>\n</think>\n\n"
+    assert matches(answer) is (thinking != "open")
+    assert matches(block + answer) is (thinking == "open")
+    assert matches("<think>\n" + block + answer) is (thinking != "closed")
+    assert not matches(block.replace("</think>", "") + answer)
+    assert not matches("<think>\n" + block + '{"a": "four"}')
+    # A call that tool_choice "required" asks for, likewise after the block.
+    from jllama.server.tools import call_grammar, parse_tools
+
+    tools = parse_tools([{"type": "function", "function": {"name": "add",
+                                                           "parameters": ANSWER_SCHEMA}}])
+    grammar = after_thinking(call_grammar(tools, "required"), thinking)
+    call = '{"name": "add", "parameters": {"a": 4}}'
+    assert matches(call) is (thinking != "open")
+    assert matches(block + call) is (thinking == "open")
+    assert not matches(block + '{"name": "sub", "parameters": {"a": 4}}')
+
+
+def test_response_format_leaves_the_block_free(client):
+    opened = client.chat.completions.create(
+        model="m", messages=ASK, temperature=0, max_tokens=6,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}},
+        extra_body={"chat_template_kwargs": {"think_open": True}}).choices[0]
+    # Without the block first, the schema would make the reply `{"a": ...` at once.
+    assert opened.finish_reason == "length" and opened.message.content == ""
+    assert opened.message.reasoning_content and "{" not in opened.message.reasoning_content
+    off = client.chat.completions.create(
+        model="m", messages=ASK, temperature=0, max_tokens=20,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+    assert off.finish_reason == "stop" and off.message.reasoning_content is None
+    assert isinstance(json.loads(off.message.content)["a"], int)

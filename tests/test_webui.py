@@ -346,6 +346,30 @@ def test_an_error_event_mid_stream_keeps_the_text(page):
         "role": "assistant", "content": "Half a"}
 
 
+def test_a_thinking_reply_shows_its_reasoning_apart(page):
+    """delta.reasoning_content (a thinking model's, `jllama.server.reasoning`) goes into a
+    folded "Thinking" block above the answer, as text, and not into the conversation."""
+    events = [{"reasoning_content": piece} for piece in ("Two and ", "two: <b>four</b>")] + [
+        {"content": piece} for piece in ("Four", ".")]
+    page.execute_script("""
+    const deltas = arguments[0];
+    window.fetch = async () => new Response(deltas.map((delta) => 'data: ' + JSON.stringify(
+      {choices: [{index: 0, delta: delta, finish_reason: null}]}) + '\\n\\n').join('') +
+      'data: [DONE]\\n\\n', {headers: {'Content-Type': 'text/event-stream'}});
+    """, events)
+    send(page, "Two and two?")
+    bubble = bubbles(page, "assistant")[0]
+    thinking = bubble.find_element("css selector", "details.thinking")
+    assert thinking.get_attribute("open") is None  # folded once the answer came
+    thinking.find_element("css selector", "summary").click()
+    assert thinking.find_element("css selector", ".thinking-text").text == \
+        "Two and two: <b>four</b>"
+    assert not thinking.find_elements("css selector", "b")
+    assert bubble.find_element("css selector", ".content").text == "Four."
+    assert page.execute_script("return window.jllama.messages;")[-1] == {
+        "role": "assistant", "content": "Four."}
+
+
 def test_the_api_key_goes_with_every_request(page):
     """A key in the API key box is sent as OpenAI's clients send it, to both routes (a
     server started with --api_key asks it of both); the box empty, no Authorization."""

@@ -55,6 +55,15 @@ def opens_thinking(prompt: str) -> bool:
     return prompt.rstrip().endswith(THINK_OPEN)
 
 
+def prompt_thinking(prompt: str) -> str:
+    """Where a rendered prompt leaves the reply: "open" (`opens_thinking`: it starts as
+    reasoning), "closed" (the prompt ends with a closed block, `</think>` and whitespace:
+    the template turned thinking off, Qwen3's enable_thinking false), or "" (neither: the model
+    may open a block itself)."""
+    tail = prompt.rstrip()
+    return "open" if tail.endswith(THINK_OPEN) else "closed" if tail.endswith(THINK_CLOSE) else ""
+
+
 def _held_tag_prefix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag` (0: none):
     characters that may be the first of the tag, not yet known to be text."""

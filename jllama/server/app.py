@@ -37,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jllama.chat import ChatTemplate
-from jllama.chat.reasoning import opens_thinking, parses_reasoning
+from jllama.chat.reasoning import parses_reasoning, prompt_thinking
 from jllama.errors import JllamaError
 from jllama.server.access import add_access_control
 from jllama.server.anthropic import add_anthropic_routes
@@ -52,7 +52,7 @@ from jllama.server.payloads import (
     completion_logprobs,
     system_fingerprint,
 )
-from jllama.server.reasoning import ReasoningReply, template_kwargs
+from jllama.server.reasoning import ReasoningReply, after_thinking, template_kwargs
 from jllama.server.request_head import TrailingSlashes, VersionPrefix
 from jllama.server.responses import add_responses_routes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
@@ -238,15 +238,16 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         return ids
 
     def encode_chat(messages: list[dict], tools: list[dict] | None,
-                    kwargs: dict[str, Any]) -> tuple[list[int], bool]:
-        """The rendered prompt's ids, and whether it ends inside an open think block."""
+                    kwargs: dict[str, Any]) -> tuple[list[int], str]:
+        """The rendered prompt's ids, and where it leaves the reply (`prompt_thinking`: "open"
+        inside a think block, "closed" after one, "")."""
         try:
             segments = template.render_segments(messages, add_generation_prompt=True,
                                                 **{**kwargs, "tools": tools})
         except JllamaError as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         prompt = "".join(text for text, _ in segments)
-        return tokenizer.encode_segments(segments, bos=False), opens_thinking(prompt)
+        return tokenizer.encode_segments(segments, bos=False), prompt_thinking(prompt)
 
     def grammar_field(body: CompletionRequest | ChatCompletionRequest) -> str:
         """The request field its constraint came from (a 400's param mid-generation)."""
@@ -316,9 +317,9 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         ], "usage": usage([done for _, _, done in results])}
 
     async def chat_prompt(body: ChatCompletionRequest
-                          ) -> tuple[ChatPlan, list[int], bool]:
-        """A chat request's plan (tools, constraint), its rendered prompt, and whether that
-        ends inside an open think block."""
+                          ) -> tuple[ChatPlan, list[int], str]:
+        """A chat request's plan (tools, constraint), its rendered prompt, and where that
+        leaves the reply (`encode_chat`)."""
         check_model(body.model)
         if template is None:
             raise APIError(
@@ -331,9 +332,9 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                          body.response_format, renders_tools, body.grammar,
                          body.structured_outputs)
         kwargs = template_kwargs(server_kwargs, body.chat_template_kwargs)
-        ids, in_think = await run_in_threadpool(encode_chat, plan.messages,
+        ids, thinking = await run_in_threadpool(encode_chat, plan.messages,
                                                 plan.template_tools, kwargs)
-        return plan, ids, in_think
+        return plan, ids, thinking
 
     async def count_chat(body: ChatCompletionRequest) -> int:
         return len((await chat_prompt(body))[1])
@@ -341,7 +342,14 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     async def start_chat(body: ChatCompletionRequest) -> ChatRun:
         """A chat request checked, rendered and submitted: the path from a request to its
         generation that /v1/chat/completions, /v1/responses and /v1/messages share."""
-        plan, ids, in_think = await chat_prompt(body)
+        plan, ids, thinking = await chat_prompt(body)
+        reasoning = parses_reasoning(body.reasoning_format or reasoning_format, template.source)
+        grammar = plan.grammar
+        if reasoning and grammar is not None and body.grammar is body.structured_outputs is None:
+            # response_format and tools shape the answer: the think block goes first, free
+            # (vLLM's structured outputs with a reasoning parser). grammar and
+            # structured_outputs shape the whole reply, block included.
+            grammar = after_thinking(grammar, thinking)
         samplers = choice_samplers(body, tokenizer.vocab_size)
         max_tokens = body.max_completion_tokens or body.max_tokens
         check_length(ids, "messages", max_tokens, "max_completion_tokens"
@@ -349,15 +357,15 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         choices = Choices([
             Job(ids, sampler, max_tokens, stop=body.stop,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                ignore_eos=body.ignore_eos, grammar=plan.grammar,
+                ignore_eos=body.ignore_eos, grammar=grammar,
                 grammar_param="tools" if plan.offers_tools else grammar_field(body),
                 finish_by_reply=plan.offers_tools, cache_prompt=body.cache_prompt)
             for sampler in samplers], body.choices)
         submit_all(choices.jobs)
         replies = [ToolReply(expect_call=plan.mode in ("required", "named"))
                    if plan.offers_tools else TextReply() for _ in range(choices.n)]
-        if parses_reasoning(body.reasoning_format or reasoning_format, template.source):
-            replies = [ReasoningReply(reply, in_think) for reply in replies]
+        if reasoning:
+            replies = [ReasoningReply(reply, thinking == "open") for reply in replies]
         return ChatRun(choices, replies, len(ids))
 
     @app.post("/v1/chat/completions")

@@ -4,17 +4,24 @@ chat template's extra variables (`chat_template_kwargs`, e.g. `{"enable_thinking
 Sources: vLLM's and llama.cpp's OpenAI-compatible servers, which both add `reasoning_content`
 to the assistant message (streamed as `delta.reasoning_content` pieces before the
 `delta.content` ones) and take `chat_template_kwargs` in a chat request; the block is found by
-`jllama.chat.reasoning` (llama.cpp's `deepseek` format).
+`jllama.chat.reasoning` (llama.cpp's `deepseek` format). `response_format` and tools shape the
+answer after the block, not the block (`after_thinking`), as vLLM applies structured outputs
+once its reasoning parser has seen the block end.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jllama.chat.reasoning import CONTENT, ThinkSplitter, split_reasoning
 from jllama.server.errors import APIError
 from jllama.server.tool_reply import TextReply
+
+if TYPE_CHECKING:  # llguidance is imported only where a grammar is used
+    from jllama.constrain import Grammar
 
 _SET_BY_SERVER = ("messages", "add_generation_prompt", "tools")
 """Template variables the server sets from the request itself (a request's
@@ -39,6 +46,45 @@ def template_kwargs(defaults: Mapping[str, Any], given: Any) -> dict[str, Any]:
             raise APIError(400, f"chat_template_kwargs: {key!r} is set from the request "
                            "itself and cannot be given here", param="chat_template_kwargs")
     return {**defaults, **given}
+
+
+_THINK_RULES = 'think[lazy]: /(.|\\n)*<\\/think>/\n'
+"""llguidance Lark: the reasoning up to the first `</think>` (a lazy lexeme ends at the first
+match, so the block's text is free but cannot hold the tag)."""
+
+
+def after_thinking(grammar: Grammar, thinking: str) -> Grammar:
+    """`grammar` for the answer after a think block: the block first, free text up to its
+    `</think>`, then whitespace and what `grammar` matches.
+
+    Args:
+      grammar: what the answer must match (response_format's, a tool call's).
+      thinking: where the prompt leaves the reply (`jllama.chat.reasoning.prompt_thinking`):
+        "open", the reply starts inside the block; "" the model may open one (`<think>` after
+        whitespace) or answer at once; "closed", thinking is off: `grammar` as it is.
+
+    Returns:
+      A `Grammar` of the same kind and source, whose llguidance text holds `grammar`'s as a
+      grammar it refers to (`@reply`).
+    """
+    if thinking == "closed":
+        return grammar
+    import llguidance
+
+    text = grammar.llguidance
+    # llguidance's compiled form: a JSON list of grammars (schemas, regexes), or Lark text.
+    inner = json.loads(text)["grammars"] if text.lstrip().startswith("{") else [
+        {"lark_grammar": text}]
+    inner = [{**inner[0], "name": "reply"}, *inner[1:]]
+    start = ('start: think /\\s*/ @reply\n' if thinking == "open"
+             else 'start: (/\\s*/ "<think>" think /\\s*/)? @reply\n')
+    top = {"grammars": [{"name": "thinking", "lark_grammar": start + _THINK_RULES}, *inner],
+           "max_tokens": None}
+    composed = json.dumps(top)
+    failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(composed)
+    if failed:  # not expected for llguidance's own grammars; the answer's grammar as it is
+        return grammar
+    return dataclasses.replace(grammar, llguidance=composed)
 
 
 class ReasoningReply:
