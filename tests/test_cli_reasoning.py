@@ -64,3 +64,44 @@ def test_noenable_thinking_reaches_the_template(thinking_model):
     # (were the flag lost, the reply would be reasoning, and hidden).
     answer = chat(thinking_model, "[a-z]{3,12}", "--reasoning=hide", "--noenable_thinking")
     assert re.fullmatch("[a-z]{3,12}", answer)
+
+
+def test_serve_flags(thinking_model):
+    """`jllama serve --reasoning_format=none --noenable_thinking`: replies keep their tags in
+    the content, and the template gets enable_thinking false unless a request says otherwise."""
+    import openai
+
+    process = subprocess.Popen(
+        jllama_command() + ["serve", "--port=0", f"--checkpoint={thinking_model}",
+                            "--seq_len=256", "--parallel=1", "--no_webui",
+                            "--reasoning_format=none", "--noenable_thinking"],
+        stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        url, lines = None, []
+        while process.poll() is None and len(lines) < 50:
+            lines.append(process.stderr.readline())
+            if "serving " in lines[-1]:
+                url = lines[-1].split(" at ")[1].split()[0]
+                break
+        assert url, lines
+        with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120) as client:
+            def ask(**extra):
+                return client.chat.completions.create(
+                    model=thinking_model.name, messages=[{"role": "user", "content": "Hi"}],
+                    temperature=0, extra_body={"structured_outputs": {"regex": "<think>\n"
+                                               "[a-z]{4,12}\n</think>\n\n[a-z]{3,12}"},
+                                               **extra})
+
+            off = ask()
+            assert re.fullmatch("<think>\n[a-z]+\n</think>\n\n[a-z]+",
+                                off.choices[0].message.content)
+            assert getattr(off.choices[0].message, "reasoning_content", None) is None
+            # The server's enable_thinking=false renders Qwen3's empty block; a request's own
+            # true opens the block in the prompt instead (this template), a shorter prompt.
+            on = ask(chat_template_kwargs={"enable_thinking": True})
+            assert on.usage.prompt_tokens < off.usage.prompt_tokens
+            parsed = ask(reasoning_format="deepseek").choices[0].message
+            assert parsed.reasoning_content and parsed.content
+    finally:
+        process.terminate()
+        assert process.wait(30) == 0
