@@ -7,12 +7,14 @@ generation prompt also opens `<think>` when the variable `think_open` is given (
 Qwen3-Thinking-2507's template always does). A random model never writes `</think>` by itself,
 so every reply is made a think block and an answer by vLLM's `structured_outputs` regex; the
 reference split is the reply with `reasoning_format: "none"` (its raw text), cut here by
-Python's `re`.
+Python's `re`. The same on the tiny random Qwen3 GGUF of tests/data/qwen_tiny (llama.cpp's
+converter; Qwen3's own template and its `<think>` / `</think>` tokens), unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import re
 from pathlib import Path
@@ -50,6 +52,21 @@ def server():
     backend.prepare(model.config, model.weights)
     with ServerThread(model, backend, "m") as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A client of a server of the tiny random Qwen3 GGUF (llama.cpp's converter; Qwen3's
+    template, `<think>` and `</think>` single added tokens; `tests/qwen_models.py`, not
+    imported: it imports torch)."""
+    path = tmp_path_factory.mktemp("qwen3") / "qwen3-tiny.gguf"
+    path.write_bytes(gzip.decompress((DATA / "qwen_tiny" / "qwen3-tiny-F32.gguf.gz").read_bytes()))
+    model = open_model(path, seq_len=128)
+    backend = make_backend("jax")
+    backend.prepare(model.config, model.weights)
+    with ServerThread(model, backend, "qwen3") as running, openai.OpenAI(
+            base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture()
@@ -262,3 +279,23 @@ def test_response_format_leaves_the_block_free(client):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
     assert off.finish_reason == "stop" and off.message.reasoning_content is None
     assert isinstance(json.loads(off.message.content)["a"], int)
+
+
+def test_a_qwen3_gguf(qwen3):
+    """The tiny Qwen3 GGUF: its own template (Qwen3-0.6B's), its `<think>` / `</think>` tokens
+    (user-defined, printed as text); no template change."""
+    def ask(stream=False, **extra):
+        return qwen3.chat.completions.create(
+            model="qwen3", messages=ASK, temperature=0, stream=stream,
+            extra_body={"structured_outputs": THINK, **extra})
+
+    raw = ask(reasoning_format="none").choices[0].message.content
+    match = RAW.fullmatch(raw)
+    assert match and raw.startswith("<think>"), raw
+    whole = ask().choices[0].message
+    assert (whole.reasoning_content, whole.content) == match.groups()
+    pieces, finish = _streamed(ask(stream=True))
+    assert finish == "stop"
+    assert (_joined(pieces, "reasoning"), _joined(pieces, "content")) == match.groups()
+    off = ask(chat_template_kwargs={"enable_thinking": False})
+    assert off.usage.prompt_tokens == ask().usage.prompt_tokens + 4  # <think>\n\n</think>\n\n
