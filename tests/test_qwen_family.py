@@ -256,3 +256,44 @@ def test_sliding_window_caps_the_context_and_is_refused_past_it(hf_models):
         dataclasses.replace(config, seq_len=4097)
     with pytest.raises(ConfigError, match="qk_norm must be True or False"):
         ModelConfig(64, 96, 1, 4, 2, 32, 16, qk_norm=1)
+
+
+_SPLIT = """
+import gzip, json, sys, tempfile
+from pathlib import Path
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from qwen_models import DATA, TOKENS, gguf_path
+from jllama.backends import make_backend
+from jllama.formats.gguf import read_gguf
+oracle, out = np.load(DATA / "oracle.npz"), {}
+for name in ("qwen2", "qwen3"):
+    path = Path(tempfile.mkdtemp()) / "m.gguf"
+    path.write_bytes(gzip.decompress(gguf_path(name).read_bytes()))
+    model = read_gguf(path, seq_len=64)
+    backend = make_backend("jax", devices=2)
+    backend.prepare(model.config, model.weights)
+    # 20 tokens: two prefill chunks of 8 (qkv_chunk), then 4 through forward (qkv).
+    logits = backend.prefill_logits(TOKENS[:20], 0)
+    out[name] = float(np.abs(logits - oracle[name][:20]).max())
+print(json.dumps(out))
+"""
+
+
+def test_tensor_parallel_over_two_devices():
+    """wqkv's rows regrouped by device carry the bias with them; the q/k norms run on each
+    device's heads (two forced host devices, in a process of their own)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _SPLIT, str(Path(__file__).parent)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    diffs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(diffs) == {"qwen2", "qwen3"}
+    for name, diff in diffs.items():
+        assert diff < 1e-4, (name, diff)
