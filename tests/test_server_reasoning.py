@@ -261,6 +261,18 @@ def test_response_format_shapes_the_answer_after_the_block(thinking):
     assert matches(call) is (thinking != "open")
     assert matches(block + call) is (thinking == "open")
     assert not matches(block + '{"name": "sub", "parameters": {"a": 4}}')
+    # tool_choice "auto": text or a call; a block the reply opens itself goes first, and
+    # then the call is held to its schema.
+    grammar = after_thinking(call_grammar(tools, "auto", think_apart=thinking != "closed"),
+                             thinking)
+    opened, bad_call = thinking == "open", '{"name": "sub", "parameters": {"a": 4}}'
+    assert matches("Four.") is not opened and matches(call) is not opened
+    assert matches(block + "Four.") and matches(block + call)  # after a block, or all text
+    if thinking == "":
+        assert matches("<think>\n" + block + call)
+        assert not matches("<think>\n" + block + bad_call)
+    if opened:
+        assert not matches(block + bad_call)
 
 
 def test_response_format_leaves_the_block_free(client):

@@ -58,7 +58,12 @@ from jllama.server.responses import add_responses_routes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from jllama.server.structured import request_grammar
 from jllama.server.tool_reply import TextReply, ToolReply
-from jllama.server.tools import ChatPlan, plan_chat, template_renders_tools
+from jllama.server.tools import (
+    ChatPlan,
+    call_grammar,
+    plan_chat,
+    template_renders_tools,
+)
 from jllama.server.transport import BODY_TIMEOUT_S, MAX_BODY_BYTES, read_body, stream
 
 RETRY_AFTER_S = 1
@@ -345,10 +350,13 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         plan, ids, thinking = await chat_prompt(body)
         reasoning = parses_reasoning(body.reasoning_format or reasoning_format, template.source)
         grammar = plan.grammar
-        if reasoning and grammar is not None and body.grammar is body.structured_outputs is None:
+        raw = body.grammar is not None or body.structured_outputs is not None
+        if reasoning and grammar is not None and not raw:
             # response_format and tools shape the answer: the think block goes first, free
             # (vLLM's structured outputs with a reasoning parser). grammar and
             # structured_outputs shape the whole reply, block included.
+            if plan.mode == "auto" and thinking != "closed":
+                grammar = call_grammar(plan.tools, "auto", think_apart=True)
             grammar = after_thinking(grammar, thinking)
         samplers = choice_samplers(body, tokenizer.vocab_size)
         max_tokens = body.max_completion_tokens or body.max_tokens

@@ -77,7 +77,7 @@ def after_thinking(grammar: Grammar, thinking: str) -> Grammar:
         {"lark_grammar": text}]
     inner = [{**inner[0], "name": "reply"}, *inner[1:]]
     start = ('start: think /\\s*/ @reply\n' if thinking == "open"
-             else 'start: (/\\s*/ "<think>" think /\\s*/)? @reply\n')
+             else 'start: /\\s*/ ("<think>" think /\\s*/)? @reply\n')
     top = {"grammars": [{"name": "thinking", "lark_grammar": start + _THINK_RULES}, *inner],
            "max_tokens": None}
     composed = json.dumps(top)

@@ -134,8 +134,15 @@ def _call_schema(tools: list[dict]) -> dict:
                                                                 for t in tools)}}
 
 
-def call_grammar(tools: list[dict], mode: str, name: str | None = None) -> Grammar | None:
+def call_grammar(tools: list[dict], mode: str, name: str | None = None, *,
+                 think_apart: bool = False) -> Grammar | None:
     """The grammar of the reply for a `parse_tool_choice` result (None for "none").
+
+    think_apart: the reply comes after a think block (`jllama.server.reasoning.after_thinking`
+    puts the block and the whitespace after it before this grammar): "auto"'s free text may
+    neither start with whitespace nor open a block (`<think>`), so that the block and the
+    whitespace after it are never read as the start of free text, which would take anything
+    after them, a call not held to its schema included.
 
     Raises:
       APIError (400, param "tools"): llguidance refuses the combined grammar.
@@ -147,7 +154,10 @@ def call_grammar(tools: list[dict], mode: str, name: str | None = None) -> Gramm
     schema = _call_schema(tools)
     try:
         if mode == "auto":
-            return Grammar.of("lark", "start: TEXT | call\nTEXT: /[^{](.|\\n)*/\n"
+            # llguidance's `&` and `~` on a lexeme: TEXT minus what opens a think block.
+            text = ("/[^{\\s](.|\\n)*/ & ~/<think>(.|\\n)*/" if think_apart
+                    else "/[^{](.|\\n)*/")
+            return Grammar.of("lark", f"start: TEXT | call\nTEXT: {text}\n"
                                       f"call: %json {json.dumps(schema)}\n")
         return Grammar.json_schema(schema)
     except GrammarError as e:
@@ -250,12 +260,14 @@ class ChatPlan:
       template_tools: the template's `tools` variable (None: not rendered).
       grammar: what the reply must match (response_format's, a call's), or None.
       mode: "none" (no tools offered), "auto", "required" or "named".
+      tools: the tools offered (None: none), for `call_grammar` again (`think_apart`).
     """
 
     messages: list[dict]
     template_tools: list[dict] | None
     grammar: Grammar | None
     mode: str
+    tools: list[dict] | None = None
 
     @property
     def offers_tools(self) -> bool:
@@ -289,4 +301,4 @@ def plan_chat(messages: list[dict], tools: Any, tool_choice: Any, response_forma
         # A reply that must be a call has no content for response_format to shape.
         grammar = call_grammar(offered, mode, name)
     return ChatPlan(history(messages, renders_tools, offered),
-                    offered if renders_tools else None, grammar, mode)
+                    offered if renders_tools else None, grammar, mode, offered)
