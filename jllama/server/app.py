@@ -52,18 +52,13 @@ from jllama.server.payloads import (
     completion_logprobs,
     system_fingerprint,
 )
-from jllama.server.reasoning import ReasoningReply, after_thinking, template_kwargs
+from jllama.server.reasoning import ReasoningReply, answer_grammar, template_kwargs
 from jllama.server.request_head import TrailingSlashes, VersionPrefix
 from jllama.server.responses import add_responses_routes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
-from jllama.server.structured import request_grammar
+from jllama.server.structured import constraint_field, request_grammar
 from jllama.server.tool_reply import TextReply, ToolReply
-from jllama.server.tools import (
-    ChatPlan,
-    call_grammar,
-    plan_chat,
-    template_renders_tools,
-)
+from jllama.server.tools import ChatPlan, plan_chat, template_renders_tools
 from jllama.server.transport import BODY_TIMEOUT_S, MAX_BODY_BYTES, read_body, stream
 
 RETRY_AFTER_S = 1
@@ -254,11 +249,6 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         prompt = "".join(text for text, _ in segments)
         return tokenizer.encode_segments(segments, bos=False), prompt_thinking(prompt)
 
-    def grammar_field(body: CompletionRequest | ChatCompletionRequest) -> str:
-        """The request field its constraint came from (a 400's param mid-generation)."""
-        return ("grammar" if body.grammar is not None else "structured_outputs"
-                if body.structured_outputs is not None else "response_format")
-
     def submit_all(jobs: list[Job]) -> None:
         """Submit a request's jobs; where the queue refuses one (503), those before it are
         cancelled (a request runs whole or not at all)."""
@@ -287,7 +277,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         check_length(ids, "prompt", max_tokens)
         choices = Choices([
             Job(ids, sampler, max_tokens, stop=body.stop, logprobs=body.logprobs,
-                ignore_eos=body.ignore_eos, grammar=grammar, grammar_param=grammar_field(body),
+                ignore_eos=body.ignore_eos, grammar=grammar, grammar_param=constraint_field(body),
                 cache_prompt=body.cache_prompt)
             for sampler in samplers], body.choices)
         submit_all(choices.jobs)
@@ -350,14 +340,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         plan, ids, thinking = await chat_prompt(body)
         reasoning = parses_reasoning(body.reasoning_format or reasoning_format, template.source)
         grammar = plan.grammar
-        raw = body.grammar is not None or body.structured_outputs is not None
-        if reasoning and grammar is not None and not raw:
-            # response_format and tools shape the answer: the think block goes first, free
-            # (vLLM's structured outputs with a reasoning parser). grammar and
-            # structured_outputs shape the whole reply, block included.
-            if plan.mode == "auto" and thinking != "closed":
-                grammar = call_grammar(plan.tools, "auto", think_apart=True)
-            grammar = after_thinking(grammar, thinking)
+        if reasoning and constraint_field(body) == "response_format":  # not a raw grammar
+            grammar = answer_grammar(plan, thinking)
         samplers = choice_samplers(body, tokenizer.vocab_size)
         max_tokens = body.max_completion_tokens or body.max_tokens
         check_length(ids, "messages", max_tokens, "max_completion_tokens"
@@ -366,7 +350,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             Job(ids, sampler, max_tokens, stop=body.stop,
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                 ignore_eos=body.ignore_eos, grammar=grammar,
-                grammar_param="tools" if plan.offers_tools else grammar_field(body),
+                grammar_param="tools" if plan.offers_tools else constraint_field(body),
                 finish_by_reply=plan.offers_tools, cache_prompt=body.cache_prompt)
             for sampler in samplers], body.choices)
         submit_all(choices.jobs)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from jllama.chat.reasoning import CONTENT, ThinkSplitter, split_reasoning
 from jllama.server.errors import APIError
 from jllama.server.tool_reply import TextReply
+from jllama.server.tools import ChatPlan, call_grammar
 
 if TYPE_CHECKING:  # llguidance is imported only where a grammar is used
     from jllama.constrain import Grammar
@@ -85,6 +86,24 @@ def after_thinking(grammar: Grammar, thinking: str) -> Grammar:
     if failed:  # not expected for llguidance's own grammars; the answer's grammar as it is
         return grammar
     return dataclasses.replace(grammar, llguidance=composed)
+
+
+def answer_grammar(plan: ChatPlan, thinking: str) -> Grammar | None:
+    """The grammar of a reply read apart whose `response_format` or tools (`plan.grammar`)
+    shape its answer: the think block first (`after_thinking`), and with tool_choice "auto"
+    a free text that cannot be read as the block (`call_grammar`'s think_apart). A raw
+    `grammar` or `structured_outputs` shapes the whole reply instead (the caller keeps it).
+
+    Args:
+      plan: the request's `ChatPlan`.
+      thinking: where the prompt leaves the reply (`jllama.chat.reasoning.prompt_thinking`).
+    """
+    grammar = plan.grammar
+    if grammar is None or thinking == "closed":
+        return grammar
+    if plan.mode == "auto":
+        grammar = call_grammar(plan.tools, "auto", think_apart=True)
+    return after_thinking(grammar, thinking)
 
 
 class ReasoningReply:

@@ -98,6 +98,15 @@ def request_grammar(response_format: Any, grammar: Any = None,
     return _text_grammar(f"{where}.{kind}", structured_outputs[kind], regex=kind == "regex")
 
 
+def constraint_field(body: Any) -> str:
+    """The field a request's constraint comes from: "grammar", "structured_outputs" or
+    "response_format" (also where it has none, or tools give it: the caller knows those);
+    the `param` of a 400 when its matcher fails mid-generation."""
+    if body.grammar is not None:
+        return "grammar"
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
+
+
 def _text_grammar(param: str, text: Any, regex: bool = False) -> Grammar:
     """A regex, or a grammar in GBNF (text with "::=") or Lark, as a 400 naming `param` where
     llguidance refuses it."""
