@@ -22,7 +22,13 @@ Steps:
      tokenizer). qwen2 and qwen3 become those architectures, Mistral `llama` (its q/k rows
      permuted by the converter, as for any Llama);
   4. transformers' logits of each model for TOKENS (one full-sequence forward), float32, in
-     oracle.npz; the GGUF files gzipped (`gzip -n -9`).
+     oracle.npz; the GGUF files gzipped (`gzip -n -9`);
+  5. with --bin (a llama.cpp build's bin/ holding llama-quantize and llama-simple): the qwen2
+     and qwen3 F32 files quantized to Q8_0 and Q4_K_M (`llama-quantize F32 OUT TYPE 2`; rows
+     of 64 and 96 are too short for the K-quants, so Q4_K_M's matrices fall back to Q5_0 and
+     Q8_0 as llama-quantize chooses), kept as they are, and llama-simple's greedy output
+     (`llama-simple -m FILE -n N_PREDICT PROMPT`: the prompt and N_PREDICT argmax tokens as
+     text, then a newline) on each quantized and F32 file, in llamacpp.json.
 """
 
 from __future__ import annotations
@@ -113,7 +119,13 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree")
+    parser.add_argument("--bin", type=Path, help="llama.cpp's bin/ (llama-quantize, llama-simple)")
+    parser.add_argument("--only-bin", action="store_true",
+                        help="only step 5, on the F32 files already made")
     args = parser.parse_args()
+    if args.only_bin:
+        llama_cpp_outputs(args.bin)
+        return
     DATA.mkdir(parents=True, exist_ok=True)
     write_tokenizer(DATA)
     logits = {}
@@ -129,6 +141,36 @@ def main() -> None:
                             "--outtype", "f32", "--outfile", str(out)], check=True)
             gguf_path(name).write_bytes(gzip.compress(out.read_bytes(), 9, mtime=0))
     np.savez_compressed(DATA / "oracle.npz", tokens=np.array(TOKENS, np.int32), **logits)
+    if args.bin is not None:
+        llama_cpp_outputs(args.bin)
+
+
+PROMPT, N_PREDICT = "Hello world, it's", 32
+QUANTS = ("Q8_0", "Q4_K_M")
+
+
+def llama_cpp_outputs(bin_dir: Path) -> None:
+    """Step 5 (module docstring)."""
+    outputs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("qwen2", "qwen3"):
+            f32 = Path(tmp) / f"{name}-tiny-F32.gguf"
+            f32.write_bytes(gzip.decompress(gguf_path(name).read_bytes()))
+            files = {"F32": f32}
+            for q in QUANTS:
+                files[q] = DATA / f"{name}-tiny-{q}.gguf"
+                subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(files[q]), q, "2"],
+                               check=True, capture_output=True)
+            for kind, path in files.items():
+                done = subprocess.run([str(bin_dir / "llama-simple"), "-m", str(path), "-n",
+                                       str(N_PREDICT), PROMPT], check=True, capture_output=True)
+                outputs[f"{name}-tiny-{kind}"] = done.stdout.hex()
+    about = (f"llama.cpp's llama-simple -m FILE -n {N_PREDICT} PROMPT on each file (its stdout "
+             "as hex: the prompt, the greedy tokens' text, a newline); files made by "
+             "tests/data/make_qwen_tiny.py")
+    (DATA / "llamacpp.json").write_text(json.dumps(
+        {"about": about, "prompt": PROMPT, "n_predict": N_PREDICT, "stdout_hex": outputs},
+        indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
