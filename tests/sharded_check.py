@@ -98,7 +98,8 @@ def loop_tokens(backend, prompt, steps):
 def shard_facts(backend):
     """Shard shapes per device of layer 0's arrays, wcls and a cache block."""
     layer = backend.layers[0]
-    arrays = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
+    arrays = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)
+              if getattr(layer, f.name) is not None}  # a Llama: no bqkv, q_norm, k_norm
     arrays["wcls"] = backend.wcls
     arrays["key_block"] = backend.key_cache[0][0]
     facts = {}
