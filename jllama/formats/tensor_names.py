@@ -17,6 +17,7 @@ from jllama.model.weights import expected_shapes
 
 
 BIAS = ".bias"
+"""The suffix of a bias tensor's name (a layer module named with it is a whole name)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ import numpy as np
 
 from jllama.model.config import ModelConfig
 from jllama.errors import CheckpointError, ConfigError
+from jllama.model.tensor_stats import TensorStats, tensor_stats  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,52 +378,3 @@ def _stack_rows(matrices):
     if any(is_ggml(m) for m in matrices):
         return stack_rows([m if is_ggml(m) else from_float(m) for m in matrices])
     return np.concatenate([np.asarray(m) for m in matrices], axis=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorStats:
-    """Summary of one weight tensor (for `jllama --verify_checkpoint`).
-
-    Attributes:
-      name: field name in `TransformerWeights`.
-      shape: tensor shape.
-      min, max, mean: over the finite values (NaN when there are none), as float64.
-      n_nonfinite: number of NaN or infinite values.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    min: float
-    max: float
-    mean: float
-    n_nonfinite: int
-
-    @property
-    def finite(self) -> bool:
-        return self.n_nonfinite == 0
-
-
-def tensor_stats(weights: TransformerWeights) -> list[TensorStats]:
-    """Statistics of every tensor in file order (a shared `wcls` listed once, as the
-    embedding table). Reads each tensor once."""
-    stats = []
-    for field in dataclasses.fields(weights):
-        if field.name == "wcls" and weights.wcls is weights.token_embedding_table:
-            continue
-        if getattr(weights, field.name) is None:
-            continue
-        array = np.asarray(getattr(weights, field.name))
-        finite_mask = np.isfinite(array)
-        n_finite = int(np.count_nonzero(finite_mask))
-        values = array[finite_mask] if n_finite < array.size else array
-        stats.append(
-            TensorStats(
-                name=field.name,
-                shape=tuple(array.shape),
-                min=float(values.min()) if n_finite else float("nan"),
-                max=float(values.max()) if n_finite else float("nan"),
-                mean=float(values.mean(dtype=np.float64)) if n_finite else float("nan"),
-                n_nonfinite=array.size - n_finite,
-            )
-        )
-    return stats
