@@ -328,3 +328,41 @@ def test_greedy_text_equals_llama_cpps(gguf_files, name, kind):
     want = bytes.fromhex(LLAMA_CPP["stdout_hex"][f"{name}-tiny-{kind}"])
     text = LLAMA_CPP["prompt"].encode() + tok.decode(out).encode("utf-8", "surrogateescape")
     assert text + b"\n" == want
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_templates_render_as_transformers_with_tools(hf_models, name):
+    """Qwen2.5's and Qwen3's templates (tools, a tool call and its result, Qwen3's
+    enable_thinking) rendered by jllama's sandbox as transformers' apply_chat_template, and
+    tokenized to transformers' ids."""
+    from transformers import AutoTokenizer
+
+    from jllama.chat import ChatTemplate
+
+    folder = hf_models[name][0]
+    model = open_model(folder, seq_len=SEQ_LEN)
+    ours = ChatTemplate.for_tokenizer(model.chat_template, model.tokenizer)
+    theirs = AutoTokenizer.from_pretrained(folder)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny, 21 C"},
+    ]
+    variants = [{}, {"enable_thinking": False}] if name == "qwen3" else [{}]
+    for extra in variants:
+        want = theirs.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                          add_generation_prompt=True, **extra)
+        got = ours.render(messages, tools=TOOLS, add_generation_prompt=True, **extra)
+        assert got == want, extra
+        ids = model.tokenizer.encode(got, bos=False, parse_special=True)
+        assert ids == theirs(want, add_special_tokens=False)["input_ids"]
+    assert got.endswith("<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if name == "qwen3"
+                                                     else ""))
