@@ -37,8 +37,9 @@ from jllama.server.anthropic_request import (
     MessagesRequest,
     chat_fields,
 )
-from jllama.server.chat_run import ChatRun, ChatService, chat_request, renamed
-from jllama.server.engine import Done, Text
+from jllama.server.chat_run import (ChatRun, ChatService, Events, chat_request, collected,
+                                    renamed, replay)
+from jllama.server.engine import Done
 from jllama.server.errors import APIError
 from jllama.server.schema import parse_body
 from jllama.server.sse import named_stream
@@ -173,24 +174,10 @@ class MessageBuilder:
         ]
 
 
-async def _replay(run: ChatRun, builder: MessageBuilder,
-                  events: AsyncIterator[tuple[int, Text | Done]]) -> AsyncIterator[Event]:
+def _replay(run: ChatRun, builder: MessageBuilder, events: Events) -> AsyncIterator[Event]:
     """The message's events from the chat run's (the one choice's)."""
-    reply = run.replies[0]
-    for event in builder.start():
-        yield event
-    async for _, event in events:
-        if isinstance(event, Text):
-            deltas = reply.deltas(event.text)
-        else:
-            deltas = reply.final_deltas()
-        for delta in deltas:
-            for out in builder.add(delta):
-                yield out
-        if isinstance(event, Done):
-            stop = stop_reason(run.finish(0, event), event)
-            for out in builder.finish(stop, event.completion_tokens):
-                yield out
+    return replay(run, builder, events, lambda done: builder.finish(
+        stop_reason(run.finish(0, done), done), done.completion_tokens))
 
 
 def add_anthropic_routes(app: FastAPI, chat: ChatService) -> None:
@@ -224,16 +211,7 @@ def add_anthropic_routes(app: FastAPI, chat: ChatService) -> None:
 
                 return named_stream(_replay(run, builder, run.choices.events()), run.choices,
                                     failure)
-            try:
-                ((texts, _, done),) = await run.choices.collect(request)
-            except APIError as e:  # the worker's (a grammar's 400 names chat's field)
-                raise renamed(e, RENAMES) from None
-
-            async def whole() -> AsyncIterator[tuple[int, Text | Done]]:
-                yield 0, Text("".join(texts), [])
-                yield 0, done
-
-            async for _ in _replay(run, builder, whole()):
+            async for _ in _replay(run, builder, collected(run, request, RENAMES)):
                 pass
             return builder.message()
         except APIError as e:

@@ -37,7 +37,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from jllama.server.chat_run import extra_fields
-from jllama.server.errors import APIError
+from jllama.server.errors import bad_field, nonempty_string, text_parts
 
 RENAMES = (
     (r"\bmax_completion_tokens\b", "max_tokens"),
@@ -97,40 +97,18 @@ class MessagesRequest(CountTokensRequest):
         return value
 
 
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param=param)
-
-
 def _texts(content: Any, where: str) -> list[dict]:
     """A string, or text blocks, as chat's text parts."""
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of text blocks")
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise _bad(f"{where}[{j}].type", "must be \"text\" (only text is supported here)")
-        if not isinstance(block.get("text"), str):
-            raise _bad(f"{where}[{j}].text", "must be a string")
-        parts.append({"type": "text", "text": block["text"]})
-    return parts
-
-
-def _string(block: dict, key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str) or not value:
-        raise _bad(f"{where}.{key}", f"must be a non-empty string, got {value!r}")
-    return value
+    return text_parts(content, where, ("text",), "text blocks")
 
 
 def _blocks(content: Any, where: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not content:
-        raise _bad(where, "must be a string or a non-empty list of content blocks")
+        raise bad_field(where, "must be a string or a non-empty list of content blocks")
     if not all(isinstance(block, dict) for block in content):
-        raise _bad(where, "a content block must be an object")
+        raise bad_field(where, "a content block must be an object")
     return content
 
 
@@ -143,10 +121,10 @@ def _user(content: Any, where: str) -> list[dict]:
             texts += _texts([block], where)
         elif kind == "tool_result":
             result = block.get("content", "")
-            out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
+            out.append({"role": "tool", "tool_call_id": nonempty_string(block, "tool_use_id", at),
                         "content": _texts(result, f"{at}.content")})
         else:
-            raise _bad(f"{at}.type", 'a user block must be "text" or "tool_result" (the kinds '
+            raise bad_field(f"{at}.type", 'a user block must be "text" or "tool_result" (the kinds '
                        f"this server supports), got {kind!r}")
     return out + ([{"role": "user", "content": texts}] if texts else [])
 
@@ -159,17 +137,17 @@ def _assistant(content: Any, where: str) -> dict:
         if kind == "text":
             texts += _texts([block], where)
         elif kind == "thinking":  # an earlier reply's thinking, given back to the template
-            reasoning.append(_string(block, "thinking", at))
+            reasoning.append(nonempty_string(block, "thinking", at))
         elif kind == "redacted_thinking":
             continue  # encrypted by Anthropic's own models: nothing this server can read
         elif kind == "tool_use":
             arguments = block.get("input")
             if not isinstance(arguments, dict):
-                raise _bad(f"{at}.input", "must be an object")
-            calls.append({"id": _string(block, "id", at), "type": "function", "function": {
-                "name": _string(block, "name", at), "arguments": json.dumps(arguments)}})
+                raise bad_field(f"{at}.input", "must be an object")
+            calls.append({"id": nonempty_string(block, "id", at), "type": "function", "function": {
+                "name": nonempty_string(block, "name", at), "arguments": json.dumps(arguments)}})
         else:
-            raise _bad(f"{at}.type", 'an assistant block must be "text", "thinking" or '
+            raise bad_field(f"{at}.type", 'an assistant block must be "text", "thinking" or '
                        f'"tool_use" (the kinds this server supports), got {kind!r}')
     message = {"role": "assistant", "content": texts or None}
     if reasoning:
@@ -195,9 +173,9 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
         elif role == "assistant":
             out.append(_assistant(message.get("content"), f"{where}.content"))
         else:
-            raise _bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
+            raise bad_field(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
     if body.messages[-1].get("role") == "assistant":
-        raise _bad(f"messages[{len(body.messages) - 1}]", "a last assistant message (prefill) "
+        raise bad_field(f"messages[{len(body.messages) - 1}]", "a last assistant message (prefill) "
                    "is not supported: the reply is a new assistant turn; end with a user message")
     return out
 
@@ -209,10 +187,10 @@ def _tools(tools: list[Any] | None) -> list[dict] | None:
     for i, tool in enumerate(tools):
         kind = tool.get("type", "custom") if isinstance(tool, dict) else None
         if kind != "custom":
-            raise _bad(f"tools[{i}].type", "only custom (client) tools are supported, got "
+            raise bad_field(f"tools[{i}].type", "only custom (client) tools are supported, got "
                        f"{kind!r}")
         if "input_schema" not in tool:
-            raise _bad(f"tools[{i}].input_schema", "this field is required")
+            raise bad_field(f"tools[{i}].input_schema", "this field is required")
         # In the order OpenAI's function tools give them: templates write the tool's JSON.
         function = {"name": tool.get("name")}
         if tool.get("description") is not None:
@@ -230,9 +208,9 @@ def _output_format(config: dict[str, Any] | None) -> dict | None:
     if spec is None:
         return None
     if not isinstance(spec, dict) or spec.get("type") != "json_schema":
-        raise _bad("output_config.format.type", 'must be "json_schema"')
+        raise bad_field("output_config.format.type", 'must be "json_schema"')
     if "schema" not in spec:
-        raise _bad("output_config.format.schema", "this field is required")
+        raise bad_field("output_config.format.schema", "this field is required")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
 
 
@@ -246,7 +224,7 @@ def _tool_choice(choice: Any) -> Any:
         return "required"
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad("tool_choice", 'must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
+    raise bad_field("tool_choice", 'must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
                '{"type": "tool", "name": ...}')
 
 
@@ -266,7 +244,7 @@ def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
         if body.tool_choice is not None:
             fields["tool_choice"] = _tool_choice(body.tool_choice)
     elif _tool_choice(body.tool_choice) not in (None, "auto", "none"):
-        raise _bad("tool_choice", "needs tools")
+        raise bad_field("tool_choice", "needs tools")
     if body.thinking is not None:
         # Extended thinking on or off is the template's switch (Qwen3's enable_thinking);
         # budget_tokens is not enforced: max_tokens bounds thinking and answer together.

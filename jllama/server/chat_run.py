@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from jllama.server.engine import Done
+from jllama.server.engine import Done, Text
 from jllama.server.errors import APIError
 from jllama.server.schema import ChatCompletionRequest, parse_body
 from jllama.server.tool_reply import TextReply
@@ -104,3 +104,41 @@ def renamed(error: APIError, renames: Renames) -> APIError:
     if (param, message) == (error.param, error.message):
         return error
     return APIError(error.status, message, param=param, code=error.code, type=error.type)
+
+
+Events = AsyncIterator[tuple[int, "Text | Done"]]
+"""A run's choice events as `Choices.events` gives them: (choice index, its text or its end)."""
+
+
+async def replay(run: ChatRun, builder: Any, events: Events,
+                 finish: Callable[[Done], Iterable[Any]]) -> AsyncIterator[Any]:
+    """The calling API's events from the chat run's one choice: `builder.start()`'s, then
+    `builder.add(delta)`'s for each delta the choice's reply reader makes of each text (its
+    final deltas at the end), then `finish(done)`'s."""
+    reply = run.replies[0]
+    for out in builder.start():
+        yield out
+    async for _, event in events:
+        deltas = reply.deltas(event.text) if isinstance(event, Text) else reply.final_deltas()
+        for delta in deltas:
+            for out in builder.add(delta):
+                yield out
+        if isinstance(event, Done):
+            for out in finish(event):
+                yield out
+
+
+async def collected(run: ChatRun, request: Request, renames: Renames) -> Events:
+    """A run that is not streamed, as the events of a stream: its one choice collected, then
+    given as one text and its end (the builders make a whole reply from the events they would
+    have streamed).
+
+    Raises:
+      APIError: the worker's, with `renames` applied (a grammar's 400 names chat's field).
+    """
+    try:
+        ((texts, _, done),) = await run.choices.collect(request)
+    except APIError as e:
+        raise renamed(e, renames) from None
+    yield 0, Text("".join(texts), [])
+    yield 0, done

@@ -35,3 +35,43 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+
+def bad_field(param: str, message: str) -> APIError:
+    """A 400 naming the field `param` (the request's own notation) and what is wrong."""
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def text_parts(content: Any, where: str, kinds: tuple[str, ...], what: str) -> list[dict]:
+    """A message's content as chat's text parts: a string is one part; a list of parts
+    (`{"type": one of kinds, "text": str}`, `what` names them in the error) one part each.
+
+    Raises:
+      APIError (400): `where` (or `where[j].type` / `.text`) is neither.
+    """
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad_field(where, f"must be a string or a list of {what}")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise bad_field(f"{where}[{j}].type", f"must be {' or '.join(map(repr, kinds))} "
+                            f"(only text is supported here), got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise bad_field(f"{where}[{j}].text", "must be a string")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def nonempty_string(item: dict, key: str, where: str) -> str:
+    """item[key], which must be a non-empty string.
+
+    Raises:
+      APIError (400): naming `where.key`.
+    """
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_field(f"{where}.{key}", f"must be a non-empty string, got {value!r}")
+    return value

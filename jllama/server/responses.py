@@ -32,8 +32,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from jllama.server.chat_run import ChatRun, ChatService, chat_request, renamed
-from jllama.server.engine import Done, Text
+from jllama.server.chat_run import (ChatRun, ChatService, Events, chat_request, collected,
+                                    renamed, replay)
+from jllama.server.engine import Done
 from jllama.server.errors import APIError
 from jllama.server.responses_request import (
     RENAMES,
@@ -211,24 +212,13 @@ def _head(body: ResponsesRequest, model_id: str) -> dict:
     }
 
 
-async def _replay(run: ChatRun, builder: ResponseBuilder,
-                  events: AsyncIterator[tuple[int, Text | Done]]) -> AsyncIterator[Event]:
+def _replay(run: ChatRun, builder: ResponseBuilder, events: Events) -> AsyncIterator[Event]:
     """The response's events from the chat run's (the one choice's)."""
-    reply = run.replies[0]
-    for event in builder.start():
-        yield event
-    async for _, event in events:
-        if isinstance(event, Text):
-            for delta in reply.deltas(event.text):
-                for out in builder.add(delta):
-                    yield out
-            continue
-        for delta in reply.final_deltas():
-            for out in builder.add(delta):
-                yield out
-        run.finish(0, event)
-        for out in builder.finish(event):
-            yield out
+    def finish(done: Done):
+        run.finish(0, done)
+        return builder.finish(done)
+
+    return replay(run, builder, events, finish)
 
 
 def add_responses_routes(app: FastAPI, chat: ChatService) -> None:
@@ -246,16 +236,7 @@ def add_responses_routes(app: FastAPI, chat: ChatService) -> None:
         if body.stream:
             return named_stream(_replay(run, builder, run.choices.events()), run.choices,
                                 lambda e: builder.failed(renamed(e, RENAMES)))
-        try:
-            ((texts, _, done),) = await run.choices.collect(request)
-        except APIError as e:
-            raise renamed(e, RENAMES) from None
-
-        async def whole() -> AsyncIterator[tuple[int, Text | Done]]:
-            yield 0, Text("".join(texts), [])
-            yield 0, done
-
-        async for _ in _replay(run, builder, whole()):
+        async for _ in _replay(run, builder, collected(run, request, RENAMES)):
             pass
         return builder.response()
 

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jllama.server.chat_run import extra_fields
-from jllama.server.errors import APIError
+from jllama.server.errors import bad_field, nonempty_string, text_parts
 
 RENAMES = (
     (r"\bmessages(\[\d+\])?", "input"),
@@ -95,63 +95,39 @@ class ResponsesRequest(BaseModel):
         lambda value: "message.output_text.logprobs" not in (value or []))] = None
 
 
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param=param)
-
-
 def _text(content: Any, where: str, kinds: tuple[str, ...]) -> list[dict]:
     """A message item's content as chat's text parts (a string: one part)."""
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of input_text parts")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in kinds:
-            raise _bad(f"{where}[{j}].type", f"a part must be {' or '.join(kinds)} (only text "
-                       f"is supported), got {kind!r}")
-        if not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}].text", "must be a string")
-        parts.append({"type": "text", "text": part["text"]})
-    return parts
-
-
-def _string(item: dict, key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or not value:
-        raise _bad(f"{where}.{key}", f"must be a non-empty string, got {value!r}")
-    return value
+    return text_parts(content, where, kinds, "input_text parts")
 
 
 def _item_message(item: Any, where: str) -> dict:
     """One input item as a chat message."""
     if not isinstance(item, dict):
-        raise _bad(where, "an input item must be an object")
+        raise bad_field(where, "an input item must be an object")
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
-            raise _bad(f"{where}.role", "must be 'user', 'assistant', 'system' or "
+            raise bad_field(f"{where}.role", "must be 'user', 'assistant', 'system' or "
                        f"'developer', got {role!r}")
         kinds = ("output_text", "input_text") if role == "assistant" else ("input_text",)
         return {"role": role, "content": _text(item.get("content"), f"{where}.content", kinds)}
     if kind == "function_call":
-        arguments = _string(item, "arguments", where)
+        arguments = nonempty_string(item, "arguments", where)
         try:
             json.loads(arguments)
         except ValueError:
-            raise _bad(f"{where}.arguments", "must be a JSON text") from None
+            raise bad_field(f"{where}.arguments", "must be a JSON text") from None
         return {"role": "assistant", "content": None, "tool_calls": [{
-            "id": _string(item, "call_id", where), "type": "function",
-            "function": {"name": _string(item, "name", where), "arguments": arguments}}]}
+            "id": nonempty_string(item, "call_id", where), "type": "function",
+            "function": {"name": nonempty_string(item, "name", where), "arguments": arguments}}]}
     if kind == "function_call_output":
-        call_id = _string(item, "call_id", where)
+        call_id = nonempty_string(item, "call_id", where)
         output = item.get("output")
         content = output if isinstance(output, str) else _text(
             output, f"{where}.output", ("input_text",))
         return {"role": "tool", "tool_call_id": call_id, "content": content}
-    raise _bad(f"{where}.type", "an input item must be a message, function_call or "
+    raise bad_field(f"{where}.type", "an input item must be a message, function_call or "
                f"function_call_output (the kinds this server supports), got {kind!r}")
 
 
@@ -167,7 +143,7 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     if isinstance(body.input, str):
         return messages + [{"role": "user", "content": body.input}]
     if not isinstance(body.input, list) or not body.input:
-        raise _bad("input", "must be a string or a non-empty list of input items")
+        raise bad_field("input", "must be a string or a non-empty list of input items")
     return messages + [_item_message(item, f"input[{i}]") for i, item in enumerate(body.input)]
 
 
@@ -179,7 +155,7 @@ def _tools(tools: Any) -> Any:
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
-            raise _bad(f"tools[{i}].type", f"only function tools are supported, got {kind!r}")
+            raise bad_field(f"tools[{i}].type", f"only function tools are supported, got {kind!r}")
         function = {k: v for k, v in tool.items() if k != "type" and v is not None}
         function.setdefault("strict", True)
         out.append({"type": "function", "function": function})
@@ -192,7 +168,7 @@ def _tool_choice(choice: Any) -> Any:
     if (isinstance(choice, dict) and choice.get("type") == "function"
             and isinstance(choice.get("name"), str)):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
+    raise bad_field("tool_choice", 'must be "none", "auto", "required" or {"type": "function", '
                '"name": ...}')
 
 
