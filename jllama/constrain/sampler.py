@@ -122,6 +122,18 @@ class ConstrainedSampler:
         self.mask_seconds += time.perf_counter() - started
         return self._bits
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows after what was consumed (the
+        matcher's state is left as it is; llguidance's `validate_tokens`): 0 once the grammar
+        is done. Speculative decoding cuts a draft there, before its verification (timed
+        into `mask_seconds`)."""
+        if not tokens or self.matcher.is_stopped():
+            return 0
+        started = time.perf_counter()
+        n = self.matcher.validate_tokens([int(t) for t in tokens])
+        self.mask_seconds += time.perf_counter() - started
+        return n
+
     def consume(self, token: int) -> None:
         """Tell the matcher `token` was chosen (timed into `mask_seconds`).
 

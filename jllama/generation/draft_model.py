@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from jllama.backends import prepared_backend
 from jllama.backends.base import Prefill
 from jllama.errors import JllamaError
@@ -90,12 +92,20 @@ class ModelDrafter:
 
     Args:
       draft: a `DraftModel`.
+
+    Attributes:
+      constraint: a generation's `jllama.constrain.ConstrainedSampler`, or None (set by
+        `SpeculativeDecoder.constrain`): each draft token is then the draft model's argmax
+        among the tokens the grammar allows after the ones drafted before it (the matcher
+        advanced over the draft and rolled back after it), so a JSON draft's braces and
+        quotes are the grammar's.
     """
 
     def __init__(self, draft: DraftModel):
         self._backend = draft.backend
         self._caches = self._backend.new_caches()
         self._fed: list[int] = []  # the tokens whose keys and values the cache holds, in order
+        self.constraint = None
 
     def draft(self, history: Sequence[int], k: int) -> list[int]:
         """Up to k tokens the draft model decodes greedily after `history` (the sequence so
@@ -115,13 +125,39 @@ class ModelDrafter:
                 for pos, token in enumerate(rest, start):
                     logits = backend.forward(token, pos)
             fed, out = [int(t) for t in history], []
-            while True:
-                out.append(int(argmax(logits)))
-                if len(out) == k or len(fed) >= seq_len:
-                    break
-                logits = backend.forward(out[-1], len(fed))
-                fed.append(out[-1])
+            advanced = 0  # tokens the matcher consumed tentatively
+            try:
+                while True:
+                    token = self._choose(logits)
+                    if token is None:  # the grammar is done (or allows nothing)
+                        break
+                    out.append(token)
+                    if self.constraint is not None:
+                        if not self.constraint.matcher.consume_token(token):
+                            out.pop()
+                            break
+                        advanced += 1
+                    if len(out) == k or len(fed) >= seq_len:
+                        break
+                    logits = backend.forward(out[-1], len(fed))
+                    fed.append(out[-1])
+            finally:
+                if advanced:
+                    self.constraint.matcher.rollback(advanced)
             self._fed = fed
             return out
         finally:
             self._caches = backend.use_caches(before)
+
+    def _choose(self, logits) -> int | None:
+        """The draft model's greedy token: the argmax of `logits`, or of those the grammar
+        allows now; None when it allows nothing more (done)."""
+        if self.constraint is None:
+            return int(argmax(logits))
+        if self.constraint.matcher.is_stopped():
+            return None
+        allowed = self.constraint.allowed()
+        if not allowed.any():
+            return None
+        logits = np.asarray(logits, np.float32)[:allowed.shape[0]]
+        return int(argmax(np.where(allowed[:logits.shape[0]], logits, np.float32(-np.inf))))

@@ -76,9 +76,9 @@ class Session(SlotsMixin):
         False leaves them to compile where first run.
       draft: speculative decoding (`jllama.generation.speculative`): "none", "ngram", or a
         `jllama.generation.draft_model.DraftModel` (`Session.prepare` also takes a checkpoint
-        or self:q4 / self:int8 here and loads it); generations with run.c's sampler, no
-        grammar and no log-probs decode with drafts, to the same tokens (greedy) or the same
-        distribution (sampled).
+        or self:q4 / self:int8 here and loads it); generations with run.c's sampler and no
+        log-probs decode with drafts, to the same tokens (greedy) or the same distribution
+        (sampled), under a grammar too (each row masked as plain decoding masks it).
       draft_tokens: the longest draft (1 .. 15).
 
     Raises:
@@ -259,15 +259,20 @@ class Session(SlotsMixin):
             if vocabulary.end_id not in stop_ids:
                 stop_ids += (vocabulary.end_id,)  # a complete grammar ends the generation
         loop = None
-        speculation = None
-        if (self.draft != "none" and grammar is None and not host_logits and sample is None
+        speculation = plain = None
+        # A padded vocabulary is masked on the host (restrict_to_vocabulary), so graph mode;
+        # so is a grammar where the device loop takes no masks.
+        masked = grammar is not None
+        host_mask = masked and (self.padded or not (isinstance(self.backend, DeviceLoop)
+                                                    and self.backend.loop_masks))
+        if (self.draft != "none" and not host_logits and sample is None
                 and (greedy(sampler) or runc_sampled(sampler))):
             plain = None
-            if self.decode_mode(sampler) == "loop":
+            if self.decode_mode(sampler, host_mask) == "loop":
                 plain = LoopDecoder(self.backend, sampler, stop_ids)
-                if (plain.kind, False) not in self._loops_compiled and start_pos == 0:
-                    self.backend.compile_loop(plain.kind)
-                self._loops_compiled.add((plain.kind, False))
+                if (plain.kind, masked) not in self._loops_compiled and start_pos == 0:
+                    self.backend.compile_loop(plain.kind, masked=masked)
+                self._loops_compiled.add((plain.kind, masked))
                 plain = self._bound(slot, plain)
             speculation = SpeculativeDecoder(
                 self._bound(slot, verifier(self.backend)), make_drafter(self.draft),
@@ -275,11 +280,6 @@ class Session(SlotsMixin):
                 self.tokenizer.vocab_size if self.padded else None, plain,
                 None if greedy(sampler) else sampler,
             )
-        # A padded vocabulary is masked on the host (restrict_to_vocabulary), so graph mode;
-        # so is a grammar where the device loop takes no masks.
-        masked = grammar is not None
-        host_mask = masked and (self.padded or not (isinstance(self.backend, DeviceLoop)
-                                                    and self.backend.loop_masks))
         if speculation is not None:
             loop = speculation
         elif self.decode_mode(sampler, host_logits or host_mask) == "loop":
@@ -309,7 +309,12 @@ class Session(SlotsMixin):
         if grammar is not None:
             constraint = sample = ConstrainedSampler(sample, grammar, vocabulary)
             drawn_by = None  # a batched draw would not see the mask
-            if loop is not None:  # the device loop goes on with the same matcher
+            if speculation is not None:  # rows masked, drafts cut by the same matcher
+                if plain is not None:  # the masked device loop between drafts
+                    plain = self._bound(slot, ConstrainedLoopDecoder(self.backend, sampler,
+                                                                     stop_ids, constraint))
+                speculation.constrain(constraint, plain)
+            elif loop is not None:  # the device loop goes on with the same matcher
                 loop = ConstrainedLoopDecoder(self.backend, sampler, stop_ids, constraint)
         sample = self._slot_sample(slot, drawn_by, sample, n_tokens)
         slot.generations += 1

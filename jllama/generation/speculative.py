@@ -21,6 +21,16 @@ the plain stretches draw as the sampler does, one coin a token. A seeded sampled
 with drafts is reproducible; its tokens are not those of the same seed without drafts (only
 their distribution is).
 
+Under a grammar (a `jllama.constrain.ConstrainedSampler`) each row's logits are masked by the
+grammar's state after the tokens before it, as plain constrained decoding masks them: the
+matcher consumes the row's chosen token before the next row's mask is computed, and since a
+row is only reached when every draft before it was accepted, its state is the one plain
+decoding would reach; the rejected tail is never consumed, so nothing needs rolling back. A
+draft is first cut at the first token the grammar forbids (llguidance's `validate_tokens`,
+which leaves the matcher as it is): such a token would be rejected anyway (greedy: the masked
+argmax is never a forbidden id; sampled: its masked probability is 0). So greedy constrained
+ids are plain constrained decoding's, and a sampled token's distribution is the masked one.
+
 Drafters:
 
   NgramDrafter  prompt lookup: the tokens that followed the latest earlier occurrence of the
@@ -189,6 +199,8 @@ class SpeculativeDecoder:
         None for all of them.
       sampler: None for greedy decoding (argmaxes, bit-exact); a `Sampler` drawing run.c's
         way (`runc_sampled`) for sampled decoding with the accept/reject rule below.
+      constraint: the generation's `jllama.constrain.ConstrainedSampler`, or None (set with
+        `constrain` once it exists): rows masked and drafts cut by its grammar.
       plain: the generation's own `decode_loop` without drafts (the device loop, greedy), for
         stretches where nothing is drafted: 2, 4, 8, 16 tokens a call while no draft is
         accepted (its tokens are the same argmaxes), so text that does not repeat decodes at
@@ -199,7 +211,7 @@ class SpeculativeDecoder:
                  history: Sequence[int], stop_ids: Sequence[int], seq_len: int,
                  max_draft: int = 8, n_logits: int | None = None,
                  plain: Callable[[int, int, int], tuple[list[int], bool]] | None = None,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, constraint=None):
         if not 1 <= max_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens={max_draft} must be in 1..{MAX_DRAFT_TOKENS}")
         self._verify, self._drafter = verify, drafter
@@ -211,6 +223,9 @@ class SpeculativeDecoder:
         self._n_logits = n_logits
         self._plain = plain
         self._sampler = sampler
+        self.constraint = None
+        if constraint is not None:
+            self.constrain(constraint)
         self._misses = 0  # plain calls since a draft was last accepted
         self._rest = 0  # calls left before drafting again, after drafts that failed
         self.calls = 0
@@ -221,6 +236,17 @@ class SpeculativeDecoder:
         self.stats = GenerationStats()
         """Where drafted and accepted tokens are counted: the generation's own stats once
         `Session.generate` hands them over."""
+
+    def constrain(self, constraint, plain=None) -> None:
+        """Keep the generation to `constraint`'s grammar (a `ConstrainedSampler` whose matcher
+        has consumed every token generated so far): rows masked, drafts cut; `plain` replaces
+        the plain decode (the constrained device loop, which consumes its own tokens), or None
+        (one `verify` of one token, masked here). A drafter with a `constraint` attribute (a
+        draft model) is given it too, to draft only what the grammar allows."""
+        self.constraint = constraint
+        self._plain = plain
+        if hasattr(self._drafter, "constraint"):
+            self._drafter.constraint = constraint
 
     def active(self) -> bool:
         """Whether the generation's next tokens come from this decoder (`enabled`)."""
@@ -239,6 +265,10 @@ class SpeculativeDecoder:
             if drafted in self._stop_ids:  # a run ends at a stop token: feed none
                 del draft[i:]
                 break
+        constraint = self.constraint
+        if draft and constraint is not None:
+            # A token the grammar forbids would be rejected: verify none from it on.
+            del draft[constraint.valid_prefix(draft):]
         if not draft and self._plain is not None:
             # 2, 4, 8, 16, 16, .. tokens a call while nothing is drafted (and accepted).
             self._misses += 1
@@ -253,8 +283,7 @@ class SpeculativeDecoder:
             if not np.isfinite(logits).all():
                 return ids, False
             proposed = draft[r] if r < len(draft) else None
-            chosen = (int(argmax(logits)) if self._sampler is None
-                      else self._sampled(logits, proposed))
+            chosen = self._choose(logits, proposed)
             ids.append(chosen)
             if chosen in self._stop_ids or proposed is None or chosen != proposed:
                 break
@@ -263,6 +292,26 @@ class SpeculativeDecoder:
         self._adapt(len(draft), len(ids) - 1)
         history.extend(ids[:-1])
         return ids, True
+
+    def _choose(self, logits: np.ndarray, proposed: int | None) -> int:
+        """The token at a row: the argmax, or `_sampled`'s, of the logits masked by the
+        grammar's state after the rows before it (the matcher then consumes it); once the
+        grammar is done, its end-of-generation id with nothing drawn (`ConstrainedSampler`'s
+        rule)."""
+        constraint = self.constraint
+        if constraint is not None:
+            from jllama.constrain.sampler import masked  # llguidance only where a grammar is
+
+            bits = constraint.next_mask()
+            if bits is None:
+                chosen = constraint.vocabulary.end_id
+                constraint.consume(chosen)
+                return chosen
+            logits = masked(logits, bits)
+        chosen = int(argmax(logits)) if self._sampler is None else self._sampled(logits, proposed)
+        if constraint is not None:
+            constraint.consume(chosen)
+        return chosen
 
     def _sampled(self, logits: np.ndarray, proposed: int | None) -> int:
         """The token at a row of a sampled generation: a drafted token `proposed` is
