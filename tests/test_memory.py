@@ -99,3 +99,72 @@ def test_serve_with_more_slots_than_the_host_holds_is_refused_before_it_allocate
     assert len(lines) == 1 and lines[0].startswith("jllama: error: not enough memory: "), lines
     assert f"for {parallel} x 8192 tokens, f16" in lines[0]  # the GGUF default cache
     assert "slots of 8192 tokens fit: lower --parallel or --seq_len" in lines[0]
+
+
+# ------------------------------------------------------------------------------------------
+# A draft model (speculative decoding's --draft) counted apart: its weights and its drafters'
+# caches.
+
+# SmolLM2-135M: dim 576, hidden 1536, 30 layers, 3 KV heads of 64, vocabulary 49152 (tied).
+SMOLLM2_MATRIX_WEIGHTS = 49152 * 576 + 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576)
+SMOLLM2_NORM_BYTES = (2 * 30 * 576 + 576) * 4  # RMSNorm gains stay float32
+
+
+@pytest.mark.parametrize("draft, weights", [
+    ("self:int8", SMOLLM2_MATRIX_WEIGHTS // 32 * 34 + SMOLLM2_NORM_BYTES),  # Q8_0 blocks
+    ("self:bfloat16", SMOLLM2_MATRIX_WEIGHTS * 2 + SMOLLM2_NORM_BYTES),
+])
+def test_a_self_draft_counts_the_targets_weights_at_its_type(smollm2, draft, weights):
+    assert SMOLLM2_MATRIX_WEIGHTS == 134_479_872
+    plan = memory_plan(smollm2, slots=4, draft=draft)
+    assert plan.draft_weights == weights
+    # one drafter per slot, each a whole f16 cache (the GGUF default) of the context
+    assert plan.drafters == 4
+    assert plan.draft_kv_cache == 4 * 2048 * 2 * 30 * 3 * 64 * 2 == 188_743_680
+    plain = memory_plan(smollm2, slots=4)
+    assert plan.total - plain.total == weights + 188_743_680 + plan.resident - plain.resident
+    line = plan.line()
+    assert (f"+ draft {draft} {(weights + 188_743_680) / 1e6:.1f} MB (weights "
+            f"{weights / 1e6:.1f} MB, {draft[5:]}; KV cache 188.7 MB, 4 drafters x 2048 tokens, "
+            "f16) + the process") in line
+    one = required_memory(smollm2, draft=draft)
+    assert "KV cache 47.2 MB, 2048 tokens, f16)" in one  # one drafter
+
+
+def test_a_self_q4_draft_keeps_q4_1_blocks_and_the_sizes_are_the_casts(smollm2):
+    from jllama.model.cast_nbytes import cast_nbytes
+    from jllama.model.weights import cast_weights, weights_nbytes
+
+    # Q4_1 is of the types q4 keeps, the tied Q8_0-or-narrower classifier too: the file's bytes.
+    assert memory_plan(smollm2, draft="self:q4").draft_weights == memory_plan(smollm2).weights
+    stories = open_model(None)
+    for dtype in ("float32", "bfloat16", "int8", "q4"):
+        assert cast_nbytes(stories.weights, dtype) == weights_nbytes(
+            cast_weights(stories.weights, dtype)), dtype
+
+
+def test_a_draft_checkpoint_counts_its_weights_as_held():
+    from jllama.generation.draft_model import load_draft
+
+    target = open_model(None)
+    draft = load_draft(str(target.source), target)  # stories260K drafting for itself
+    plan = memory_plan(target, slots=2, draft=draft)
+    # 64-wide, 5 layers of (2 x 64x64 + 2 x 32x64 + 3 x 172x64), a tied 512 x 64 table, and
+    # 11 RMSNorm gains of 64, all float32
+    assert plan.draft_weights == 4 * (512 * 64 + 5 * (2 * 4096 + 2 * 2048 + 3 * 11008)
+                                      + 11 * 64) == 1_040_128
+    assert plan.draft_kv_cache == 2 * 512 * 2 * 5 * 4 * 8 * 4  # 2 drafters, f32, 512 tokens
+    assert "+ draft stories260K.bin 2.4 MB (weights 1.0 MB, float32; KV cache 1.3 MB, " \
+           "2 drafters x 512 tokens, f32)" in plan.line()
+    assert "draft" not in memory_plan(target, draft="ngram").line()  # n-grams: no cache
+
+
+def test_the_command_says_the_drafts_memory():
+    from test_cli import run
+
+    result = run("--draft=self:int8", "--steps=8", "--temperature=0", "--prompt=Once")
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stderr.splitlines() if "required memory" in x)
+    # stories260K at int8: 64-wide rows, one byte a weight and a float32 scale a row
+    assert "+ draft self:int8 0.9 MB (weights 0.3 MB, int8; KV cache 0.7 MB, 512 tokens, " \
+           "f32)" in line, line

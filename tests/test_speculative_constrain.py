@@ -121,7 +121,7 @@ def test_a_draft_is_cut_at_the_first_token_the_grammar_forbids(model):
     logits = np.zeros(model.config.vocab_size, np.float32)
     logits[cat[0]] = 5.0  # the target prefers " c.."
     verified = []
-    decoder, constraint = _decoder(model, Grammar.of("regex", " (cat|dog)s"),
+    decoder, _ = _decoder(model, Grammar.of("regex", " (cat|dog)s"),
                                    _Fixed([*cat, *dog]), logits, verified=verified)
     decoder.k = 8
     ids, finite = decoder(1, 0, 16)

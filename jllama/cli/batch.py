@@ -21,7 +21,7 @@ import sys
 
 from jllama.platform import runtime
 from jllama.cli.common import (
-    compile_programs, device_count, kv_cache_types, one_process, open_session, say,
+    compile_programs, device_count, kv_cache_types, one_process, open_session, opened_draft, say,
 )
 from jllama.cli.options import Options
 from jllama.engine import Request, complete_all
@@ -142,11 +142,12 @@ def main(options: Options) -> int:
         ))
     n_devices = device_count(run, model.config, several=False)
     kv_types = kv_cache_types(run, model)
+    draft = opened_draft(run, model)  # one drafter per slot in the line
     check_memory(model, run.backend, slots=options.serve.parallel, cache_type=kv_types[0],
-                 value_type=kv_types[1])
-    say(required_memory(model, n_devices, kv_types, slots=options.serve.parallel))
+                 value_type=kv_types[1], draft=draft)
+    say(required_memory(model, n_devices, kv_types, slots=options.serve.parallel, draft=draft))
     compile_programs(run)
-    session = open_session(model, run, n_devices, device_sampling=False)
+    session = open_session(model, run, n_devices, device_sampling=False, draft=draft)
     streams = complete_all(session, requests, n_slots=options.serve.parallel, progress=True)
     for i, (item, stream) in enumerate(zip(prompts, streams)):
         if stream.error is not None:

@@ -135,10 +135,27 @@ def kv_cache_types(run: RunOptions, model) -> tuple:
                                model.config.head_dim, flags=run.cache_flags)
 
 
+def opened_draft(run: RunOptions, model):
+    """--draft for `model` as the required-memory line and `open_session` take it: "none",
+    "ngram" and the self: types as they are, a checkpoint opened (`load_draft`: once, before
+    the line that counts its weights).
+
+    Raises:
+      JllamaError: a draft checkpoint that cannot be read or does not share the tokenizer.
+    """
+    from jllama.generation.draft_model import SELF_TYPES, load_draft
+    from jllama.generation.speculative import DRAFTERS
+
+    if run.draft in DRAFTERS or run.draft in SELF_TYPES:
+        return run.draft
+    return load_draft(run.draft, model)
+
+
 def open_session(model, run: RunOptions, n_devices: int, speak: bool = True,
                  **options) -> Session:
-    """`Session.prepare` with the --backend, --decode, --matvec, --prefill, --cache_type
-    settings, the library's errors renamed to the flags, its lines said when `speak`."""
+    """`Session.prepare` with the --backend, --decode, --matvec, --prefill, --cache_type,
+    --draft settings (`options`' draft, from `opened_draft`, in place of --draft's name), the
+    library's errors renamed to the flags, its lines said when `speak`."""
     from jllama.platform.sharding import ShardingError
 
     def say_flags(line: str) -> None:  # the backend's settings are flags here
@@ -149,8 +166,8 @@ def open_session(model, run: RunOptions, n_devices: int, speak: bool = True,
         return Session.prepare(
             model, run.backend, decode=run.decode, matvec=run.matvec, devices=n_devices,
             cache_type_k=key, cache_type_v=value, prefill=run.prefill,
-            say=say_flags if speak else None, draft=run.draft, draft_tokens=run.draft_tokens,
-            **options,
+            say=say_flags if speak else None, draft=options.pop("draft", run.draft),
+            draft_tokens=run.draft_tokens, **options,
         )
     except ShardingError as e:  # e.g. fewer devices than --devices asks for
         raise JllamaError(as_flag(str(e))) from None

@@ -12,8 +12,8 @@ import time
 from jllama.platform import runtime
 from jllama.cli import chat
 from jllama.cli.common import (
-    compile_programs, device_count, kv_cache_types, note_seq_len, open_session, rates, say,
-    write_raw,
+    compile_programs, device_count, kv_cache_types, note_seq_len, open_session, opened_draft,
+    rates, say, write_raw,
 )
 from jllama.cli.options import Options, RunOptions
 from jllama.errors import JllamaError
@@ -58,12 +58,13 @@ def main(options: Options) -> int:
         sampler = Sampler.from_config(dataclasses.replace(options.sampling.config, seed=seed))
     if sampler.config.temperature > 0 and options.sampling.config.seed is None and speak:
         say(f"seed {seed} (repeat with --seed={seed})")
+    draft = opened_draft(run, model)  # a draft checkpoint: its weights are in the line
     if speak:
-        say(required_memory(model, n_devices, kv_types))
+        say(required_memory(model, n_devices, kv_types, draft=draft))
     jax_began = time.perf_counter()
     programs = compile_programs(run, speak)  # the first import of JAX, in most runs
     jax_seconds = time.perf_counter() - jax_began
-    session = open_session(model, run, n_devices, speak)
+    session = open_session(model, run, n_devices, speak, draft=draft)
     if tokenizer.vocab_size < config.vocab_size and run.decode == "loop":
         raise JllamaError(
             f"--decode=loop: the model has {config.vocab_size} logits and its tokenizer "

@@ -9,7 +9,7 @@ from pathlib import Path
 from jllama.platform import runtime
 from jllama.cli.common import (
     compile_programs, device_count, kv_cache_types, note_seq_len, one_process, open_session,
-    say,
+    opened_draft, say,
 )
 from jllama.cli.options import Options
 from jllama.errors import JllamaError
@@ -74,11 +74,12 @@ def main(options: Options) -> int:
         n_devices = device_count(run, model.config, several=False)
         note_seq_len(options, model)
         kv_types = kv_cache_types(run, model)
+        draft = opened_draft(run, model)  # one drafter per slot in the line
         check_memory(model, run.backend, slots=serve.parallel, cache_type=kv_types[0],
-                     value_type=kv_types[1])
-        say(required_memory(model, n_devices, kv_types, slots=serve.parallel))
+                     value_type=kv_types[1], draft=draft)
+        say(required_memory(model, n_devices, kv_types, slots=serve.parallel, draft=draft))
         # Every request brings its own sampler, sampled on the host: never the device loop.
-        session = open_session(model, run, n_devices, device_sampling=False)
+        session = open_session(model, run, n_devices, device_sampling=False, draft=draft)
         return make_worker(session, serve.parallel, serve.max_waiting)
 
     compile_programs(run)  # programs compiled per request are kept for the next server too

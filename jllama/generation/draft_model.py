@@ -58,11 +58,12 @@ def check_vocabularies(target, draft, where: str) -> None:
                               "tokenizer")
 
 
-def open_draft(draft: str, target, backend: str = "jax", **backend_options) -> DraftModel:
-    """The draft model `draft` names for `target` (a `jllama.model.loading.Model`): a
-    checkpoint (path or known model name) or `SELF_TYPES`' self:q4 / self:int8 / self:bfloat16
-    (the target's checkpoint read again at that type), with its context capped at the
-    target's, prepared on `backend`.
+def load_draft(draft: str, target):
+    """The draft model `draft` names for `target` (a `jllama.model.loading.Model`), opened and
+    checked, not yet prepared: a checkpoint (path or known model name) or `SELF_TYPES`'
+    self:q4 / self:int8 / self:bfloat16 (the target's checkpoint read again at that type),
+    with its context capped at the target's. The CLI opens a checkpoint's this way before
+    its required-memory line, which counts its weights (`memory_plan`'s `draft`).
 
     Raises:
       JllamaError: an unreadable draft, or one whose vocabulary is not the target's.
@@ -84,6 +85,17 @@ def open_draft(draft: str, target, backend: str = "jax", **backend_options) -> D
     if model.config.seq_len < target.config.seq_len:
         raise JllamaError(f"--draft={draft}: its context is {model.config.seq_len} tokens, "
                           f"shorter than the model's {target.config.seq_len}")
+    return model
+
+
+def open_draft(draft, target, backend: str = "jax", **backend_options) -> DraftModel:
+    """`load_draft(draft, target)` (or `draft` itself, a `Model` it returned) prepared on
+    `backend`.
+
+    Raises:
+      JllamaError: as `load_draft`.
+    """
+    model = load_draft(draft, target) if isinstance(draft, str) else draft
     return DraftModel(prepared_backend(model, backend, **backend_options), str(model.source))
 
 

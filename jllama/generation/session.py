@@ -115,7 +115,7 @@ class Session(SlotsMixin):
         `jllama.backends.prepared_backend` (its arguments and errors: decode, matvec, devices,
         cache_type_k, cache_type_v, say), then the session (**options: prefill,
         device_sampling, compile_ahead, draft, draft_tokens; a draft that names a checkpoint
-        or self:q4 / self:int8 is loaded and prepared here, `open_draft`); `say` also gets the
+        or self:q4 / self:int8, or a `Model` from `load_draft`, is prepared here, `open_draft`); `say` also gets the
         backend's notes."""
         started = time.perf_counter()
         backend_name = backend if isinstance(backend, str) else backend.name
@@ -123,9 +123,10 @@ class Session(SlotsMixin):
                                    devices=devices, cache_type_k=cache_type_k,
                                    cache_type_v=cache_type_v, say=say)
         draft = options.get("draft", "none")
-        if isinstance(draft, str) and draft not in DRAFTERS:  # a draft model: load it too
-            from jllama.generation.draft_model import open_draft
+        from jllama.generation.draft_model import DraftModel, open_draft
 
+        if (isinstance(draft, str) and draft not in DRAFTERS  # a draft model: load it too
+                or not isinstance(draft, (str, DraftModel))):  # one opened by `load_draft`
             options["draft"] = open_draft(draft, model, backend_name, matvec=matvec)
         session = cls(model, backend, decode=decode, **options)
         # prepare's time less its warm-up (the compile) is placing the weights on the device.

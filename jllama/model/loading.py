@@ -243,12 +243,14 @@ def _read(path: Path, checkpoint, tokenizer, seq_len, need_tokenizer, dtype) -> 
 
 
 def required_memory(model: Model, devices: int = 1, cache_types=("f32", "f32"), *,
-                    slots: int = 1) -> str:
+                    slots: int = 1, draft=None) -> str:
     """One line saying what running `model` needs, before the weights are placed and the KV
     cache allocated (as Distributed Llama's "RequiredMemory"): `jllama.platform.memory.memory_plan`'s
     weights in their dtype, the KV cache of `slots` sequences of seq_len tokens in its (key,
-    value) `cache_types` (`jllama.model.cache_types`, named in the line), and the process itself
-    (measured, plus its programs and activations), in MB (10^6 bytes).
+    value) `cache_types` (`jllama.model.cache_types`, named in the line), a draft model where
+    `draft` is one (a self: type or the draft checkpoint's `Model`: its weights and one KV
+    cache per slot, `memory_plan`'s `draft`), and the process itself (measured, plus its
+    programs and activations), in MB (10^6 bytes).
 
     With devices > 1 (tensor parallelism, `jllama.platform.sharding`; the count must pass
     `check_divisible`) the line goes on with what each device holds: its slice of the
@@ -258,7 +260,7 @@ def required_memory(model: Model, devices: int = 1, cache_types=("f32", "f32"), 
 
     config = model.config
     line = memory_plan(model, slots=slots, cache_type=cache_types[0],
-                       value_type=cache_types[1]).line()
+                       value_type=cache_types[1], draft=draft).line()
     if devices > 1:
         from jllama.platform.sharding import device_memory
 

@@ -6,6 +6,12 @@ A `MemoryPlan` adds up:
   - the KV cache of every slot the run may fill: slots x seq_len positions x the cache type's
     bytes per position (`jllama.model.cache_types.kv_cache_nbytes`; `jllama serve --parallel=N` holds
     N slots, each growing to the whole context);
+  - a draft model's weights and its drafters' KV caches, where speculative decoding drafts with
+    one (`--draft=CHECKPOINT`: its weights as held; `--draft=self:q4` / `self:int8` /
+    `self:bfloat16`: the target's at that type, `jllama.model.cast_nbytes`); each drafter holds
+    a cache of the draft's own for one sequence, and one exists per sequence that may draft
+    (`jllama serve --parallel=N` and `jllama batch`: N, each request's drafter keeping its cache
+    until its slot's next request; generate and chat: 1). An n-gram drafter holds no cache;
   - the process itself, measured: its RSS when the plan is made (Python, the imports, the
     tokenizer; JAX and its CPU client, as measured here, when they have not started yet), and
     what it allocates as it runs (`scratch_nbytes`: compiled programs, the largest step's
@@ -22,6 +28,7 @@ without saying so).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from jllama.model.cache_types import cache_type as get_cache_type
@@ -78,6 +85,10 @@ class MemoryPlan:
       process: the process's RSS when planned (with JAX's start added if it had not started).
       scratch: `scratch_nbytes`.
       resident: the RSS when planned (part of `process`, already allocated).
+      draft: what drafts with a model of its own ("self:q4", a checkpoint's name), or "" for
+        none; draft_weights, draft_weights_kind: its weights as held; draft_kv_cache: its
+        drafters' KV caches, whole (`drafters` of them, `seq_len` positions each, of
+        `draft_cache_type`).
     """
 
     weights: int
@@ -89,6 +100,12 @@ class MemoryPlan:
     process: int
     scratch: int
     resident: int
+    draft: str = ""
+    draft_weights: int = 0
+    draft_weights_kind: str = ""
+    draft_kv_cache: int = 0
+    drafters: int = 0
+    draft_cache_type: str = ""
 
     @property
     def cache_label(self) -> str:
@@ -98,7 +115,20 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.process + self.scratch
+        return (self.weights + self.kv_cache + self.draft_weights + self.draft_kv_cache
+                + self.process + self.scratch)
+
+    def draft_part(self) -> str:
+        """The draft model's part of `line` ("" without one)."""
+        if not self.draft:
+            return ""
+        mb = 1e6
+        key, _, value = self.draft_cache_type.partition("/")
+        many = f"{self.drafters} drafters x " if self.drafters != 1 else ""
+        return (f" + draft {self.draft} {(self.draft_weights + self.draft_kv_cache) / mb:.1f} MB "
+                f"(weights {self.draft_weights / mb:.1f} MB, {self.draft_weights_kind}; KV cache "
+                f"{self.draft_kv_cache / mb:.1f} MB, {many}{self.seq_len} tokens, "
+                f"{describe(key, value or key)})")
 
     def line(self) -> str:
         """"required memory: ..." as the CLI prints it, in MB (10^6 bytes)."""
@@ -108,8 +138,8 @@ class MemoryPlan:
                   else f"{self.slots} slots x {self.seq_len} tokens")
         return (
             f"required memory: {self.total / mb:.1f} MB = weights {self.weights / mb:.1f} MB "
-            f"({self.weights_kind}) + KV cache {self.kv_cache / mb:.1f} MB ({tokens}, {cache}) "
-            f"+ the process {(self.process + self.scratch) / mb:.1f} MB (Python, JAX, the "
+            f"({self.weights_kind}) + KV cache {self.kv_cache / mb:.1f} MB ({tokens}, {cache})"
+            f"{self.draft_part()} + the process {(self.process + self.scratch) / mb:.1f} MB (Python, JAX, the "
             f"tokenizer: {self.process / mb:.1f} MB; programs and activations "
             f"{self.scratch / mb:.1f} MB)"
         )
@@ -130,8 +160,10 @@ class MemoryPlan:
         if needed <= available:
             return
         gb = 1e9
-        fixed = needed - self.kv_cache
-        per_slot = self.kv_cache / max(self.slots, 1)
+        # The drafters' caches grow with the slots where there is one per slot.
+        per_slots = self.kv_cache + (self.draft_kv_cache if self.drafters == self.slots else 0)
+        fixed = needed - per_slots
+        per_slot = per_slots / max(self.slots, 1)
         room = available - fixed
         if self.slots > 1 and room >= per_slot:
             hint = f"at most {int(room // per_slot)} slots of {self.seq_len} tokens fit: lower {slots_flag} or --seq_len"
@@ -150,10 +182,17 @@ class MemoryPlan:
 
 
 def memory_plan(model, slots: int = 1, cache_type: str = "f32",
-                value_type: str | None = None) -> MemoryPlan:
+                value_type: str | None = None, draft=None,
+                drafters: int | None = None) -> MemoryPlan:
     """The plan of running `model` (a `jllama.model.loading.Model`) with `slots` sequences of its
     config's seq_len positions in caches of `cache_type` (a `jllama.model.cache_types` name; the
     values' of `value_type` when given, else the same).
+
+    Args:
+      draft: speculative decoding's drafter: None, "none" or "ngram" (nothing counted), a
+        `jllama.generation.draft_model.SELF_TYPES` name (the target's weights at that type,
+        sized without converting them), or the draft checkpoint's opened `Model`.
+      drafters: draft KV caches held at once (default `slots`).
 
     Raises:
       ConfigError: an unknown cache type.
@@ -174,14 +213,48 @@ def memory_plan(model, slots: int = 1, cache_type: str = "f32",
         weights=weights_nbytes(model.weights), weights_kind=weights_dtype(model.weights),
         kv_cache=kv, slots=slots, seq_len=config.seq_len, cache_type=kind, process=process,
         scratch=scratch_nbytes(config, slots, key, value), resident=resident,
+        **_draft_fields(model, draft, slots if drafters is None else drafters),
     )
 
 
+def _draft_fields(model, draft, drafters: int) -> dict:
+    """`MemoryPlan`'s draft fields for `memory_plan`'s `draft`: its weights as the draft
+    backend will hold them and `drafters` caches of the type that backend picks ("auto" for
+    its file: `open_draft` prepares it so), whole blocks of the target's seq_len."""
+    from jllama.model import cache_types
+    from jllama.model.weights import weights_dtype, weights_nbytes
+
+    if draft is None or draft in ("none", "ngram"):
+        return {}
+    if isinstance(draft, str):
+        from jllama.generation.draft_model import SELF_TYPES
+        from jllama.model.cast_nbytes import cast_nbytes
+
+        if draft not in SELF_TYPES:
+            raise ValueError(f"draft={draft!r}: a self: type, or the draft's opened Model")
+        dtype = SELF_TYPES[draft]
+        name, nbytes, kind = draft, cast_nbytes(model.weights, dtype), dtype
+        source = model
+    else:
+        name = os.path.basename(str(draft.source))
+        nbytes, kind, source = weights_nbytes(draft.weights), weights_dtype(draft.weights), draft
+    config = source.config
+    key, value = cache_types.resolve(file_format=source.file_format, head_dim=config.head_dim)
+    seq_len = model.config.seq_len  # a draft's context is capped at the target's
+    positions = -(-seq_len // min(BLOCK, seq_len)) * min(BLOCK, seq_len)
+    kv = kv_cache_nbytes(config.n_layers, config.n_kv_heads, config.head_dim, positions,
+                         key.name, value.name, sequences=drafters)
+    return {"draft": name, "draft_weights": nbytes, "draft_weights_kind": kind,
+            "draft_kv_cache": kv, "drafters": drafters,
+            "draft_cache_type": key.name if key == value else f"{key.name}/{value.name}"}
+
+
 def check_memory(model, backend: str = "jax", slots: int = 1, cache_type: str = "f32",
-                 value_type: str | None = None) -> None:
+                 value_type: str | None = None, draft=None) -> None:
     """Refuse, before the weights are placed or a cache block allocated, a run of `slots`
     sequences (each up to the whole context) that would not fit in the host's memory
-    (`MemoryPlan.check`). The jax backend's CPU client is started first, so that the plan
+    (`MemoryPlan.check`), a draft model's weights and caches included (`memory_plan`'s
+    `draft`). The jax backend's CPU client is started first, so that the plan
     measures it; on another platform the caches are the device's, and nothing is checked.
 
     Raises:
@@ -192,4 +265,5 @@ def check_memory(model, backend: str = "jax", slots: int = 1, cache_type: str = 
 
         if jax.devices()[0].platform != "cpu":
             return
-    memory_plan(model, slots=slots, cache_type=cache_type, value_type=value_type).check()
+    memory_plan(model, slots=slots, cache_type=cache_type, value_type=value_type,
+                draft=draft).check()
