@@ -46,6 +46,11 @@ SPECS = {
     "mistral": Spec("mistral", {**_COMMON, "rope_theta": 10000.0, "sliding_window": 4096,
                                 "tie_word_embeddings": False}, seed=13, family="mistral"),
 }
+KQUANT_SPEC = Spec("qwen3-256", {
+    **_COMMON, "hidden_size": 256, "intermediate_size": 256, "head_dim": 64,
+    "rope_theta": 1000000.0, "tie_word_embeddings": True}, seed=14, family="qwen3")
+"""A Qwen3 whose rows are 256 long, so that llama-quantize's Q4_K_M holds K-quant blocks
+(tests/data/qwen_tiny/qwen3-256-Q4_K_M.gguf; only that file is kept)."""
 TOKENS = [int(t) for t in np.random.default_rng(36).integers(0, BASE, size=24)]
 """The token ids whose logits the oracle holds (a prompt of 24 tokens, run one by one)."""
 

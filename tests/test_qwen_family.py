@@ -302,17 +302,25 @@ def test_tensor_parallel_over_two_devices():
 LLAMA_CPP = json.loads((DATA / "llamacpp.json").read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_K_M"])
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-def test_greedy_text_equals_llama_cpps(gguf_files, name, kind):
-    """llama.cpp's llama-simple (greedy) on the F32 file and on llama-quantize's Q8_0 and
-    Q4_K_M files (tests/data/qwen_tiny/llamacpp.json; this tiny model's rows are too short
-    for K-quants, so Q4_K_M holds Q5_0 and Q8_0 blocks), against jllama's argmax decoding of
-    the weights as stored: the same 32 tokens' text."""
-    path = gguf_files[name] if kind == "F32" else DATA / f"{name}-tiny-{kind}.gguf"
+GREEDY_FILES = [f"{name}-tiny-{kind}" for name in ("qwen2", "qwen3")
+                for kind in ("F32", "Q8_0", "Q4_K_M")] + ["qwen3-256-Q4_K_M"]
+
+
+@pytest.mark.parametrize("stem", GREEDY_FILES)
+def test_greedy_text_equals_llama_cpps(gguf_files, stem):
+    """llama.cpp's llama-simple (greedy) on the F32 files and on llama-quantize's Q8_0 and
+    Q4_K_M files (tests/data/qwen_tiny/llamacpp.json; the tiny models' rows are too short for
+    K-quants, so their Q4_K_M holds Q5_0 and Q8_0 blocks; qwen3-256's rows of 256 take Q4_K
+    and Q6_K), against jllama's argmax decoding of the weights as stored: the same 32 tokens'
+    text."""
+    name, kind = stem.split("-")[0], stem.rsplit("-", 1)[-1]
+    path = gguf_files[name] if kind == "F32" else DATA / f"{stem}.gguf"
     model = open_model(path, seq_len=SEQ_LEN)
-    if kind != "F32":
-        assert {"Q8_0"} <= set(model.tensor_types.values()) <= {"F32", "Q8_0", "Q5_0"}
+    types = set(model.tensor_types.values())
+    if stem == "qwen3-256-Q4_K_M":
+        assert {"Q4_K", "Q6_K"} <= types
+    elif kind != "F32":
+        assert {"Q8_0"} <= types <= {"F32", "Q8_0", "Q5_0"}
     backend = make_backend("jax")
     backend.prepare(model.config, model.weights)
     tok = model.tokenizer
@@ -325,7 +333,7 @@ def test_greedy_text_equals_llama_cpps(gguf_files, name, kind):
         if out[-1] in tok.stop_ids:
             break
         logits = backend.forward(out[-1], len(ids) + i)
-    want = bytes.fromhex(LLAMA_CPP["stdout_hex"][f"{name}-tiny-{kind}"])
+    want = bytes.fromhex(LLAMA_CPP["stdout_hex"][stem])
     text = LLAMA_CPP["prompt"].encode() + tok.decode(out).encode("utf-8", "surrogateescape")
     assert text + b"\n" == want
 

@@ -28,7 +28,9 @@ Steps:
      of 64 and 96 are too short for the K-quants, so Q4_K_M's matrices fall back to Q5_0 and
      Q8_0 as llama-quantize chooses), kept as they are, and llama-simple's greedy output
      (`llama-simple -m FILE -n N_PREDICT PROMPT`: the prompt and N_PREDICT argmax tokens as
-     text, then a newline) on each quantized and F32 file, in llamacpp.json.
+     text, then a newline) on each quantized and F32 file, in llamacpp.json; and
+     `KQUANT_SPEC`, a Qwen3 with rows of 256 (converted as in step 3, quantized to Q4_K_M:
+     Q4_K and Q6_K blocks), its Q4_K_M file and llama-simple's output on it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from qwen_models import (  # noqa: E402
-    BASE, DATA, SPECIAL_TOKENS, SPECS, TEMPLATES, TOKENS, gguf_path, tokenizer_files,
+    BASE, DATA, KQUANT_SPEC, SPECIAL_TOKENS, SPECS, TEMPLATES, TOKENS, gguf_path,
+    tokenizer_files,
 )
 
 QWEN_REGEX = (
@@ -124,7 +127,7 @@ def main() -> None:
                         help="only step 5, on the F32 files already made")
     args = parser.parse_args()
     if args.only_bin:
-        llama_cpp_outputs(args.bin)
+        llama_cpp_outputs(args.bin, args.llama_cpp)
         return
     DATA.mkdir(parents=True, exist_ok=True)
     write_tokenizer(DATA)
@@ -142,17 +145,31 @@ def main() -> None:
             gguf_path(name).write_bytes(gzip.compress(out.read_bytes(), 9, mtime=0))
     np.savez_compressed(DATA / "oracle.npz", tokens=np.array(TOKENS, np.int32), **logits)
     if args.bin is not None:
-        llama_cpp_outputs(args.bin)
+        llama_cpp_outputs(args.bin, args.llama_cpp)
 
 
 PROMPT, N_PREDICT = "Hello world, it's", 32
 QUANTS = ("Q8_0", "Q4_K_M")
 
 
-def llama_cpp_outputs(bin_dir: Path) -> None:
+def llama_cpp_outputs(bin_dir: Path, llama_cpp: Path) -> None:
     """Step 5 (module docstring)."""
+    from hf_models import build, save
+
     outputs = {}
     with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen3-256"
+        save(build(KQUANT_SPEC), KQUANT_SPEC, folder)
+        tokenizer_files(folder, "qwen3")
+        f32 = Path(tmp) / "qwen3-256-F32.gguf"
+        subprocess.run([sys.executable, "-c", _CONVERT, str(llama_cpp), str(folder),
+                        "--outtype", "f32", "--outfile", str(f32)], check=True)
+        kquant = DATA / "qwen3-256-Q4_K_M.gguf"
+        subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(kquant), "Q4_K_M", "2"],
+                       check=True, capture_output=True)
+        done = subprocess.run([str(bin_dir / "llama-simple"), "-m", str(kquant), "-n",
+                               str(N_PREDICT), PROMPT], check=True, capture_output=True)
+        outputs["qwen3-256-Q4_K_M"] = done.stdout.hex()
         for name in ("qwen2", "qwen3"):
             f32 = Path(tmp) / f"{name}-tiny-F32.gguf"
             f32.write_bytes(gzip.decompress(gguf_path(name).read_bytes()))
