@@ -163,3 +163,26 @@ def test_sampled_rows_under_a_grammar_have_the_masked_distribution(model):
     wanted = np.array([*p[keep], *(p[m].sum() for m in rest)])
     assert len(observed) > 2
     assert chisquare(observed, wanted * runs / wanted.sum()).pvalue > 0.01
+
+
+def test_scheduled_constrained_requests_with_drafts_give_the_plain_tokens(model):
+    """Through the engine (the server's scheduler): a request drafts while alone and takes the
+    batched step's masked row beside others; either way its ids are the plain ones."""
+    from jllama.engine.scheduler import Request, complete_all
+
+    runs = {}
+    for draft in ("none", "ngram"):
+        session = Session.prepare(model, "jax", draft=draft, device_sampling=False)
+        requests = [Request(session.encode(prompt), Sampler(temperature=0.0), max_tokens=80,
+                            grammar=grammar)
+                    for prompt, grammar in [(PROMPT, GRAMMARS["regex"]()),
+                                            ("Once upon a time", GRAMMARS["schema"]()),
+                                            ("Lily and Ben", None)]]
+        streams = complete_all(session, requests, n_slots=3)
+        runs[draft] = [s.generated_ids for s in streams]
+        alone = complete_all(session, requests[:1], n_slots=1)[0]
+        runs[draft, "alone"] = alone.generated_ids
+        stats = alone._completion.generation.stats
+    assert runs["ngram"] == runs["none"]
+    assert runs["ngram", "alone"] == runs["none", "alone"] == runs["none"][0]
+    assert stats.drafted_tokens > 0
