@@ -142,7 +142,9 @@ flags.DEFINE_string(
     "draft",
     "none",
     "Speculative decoding: ngram = draft the tokens that followed the latest earlier "
-    "occurrence of the last few tokens (prompt lookup); a checkpoint (path or known name) = a "
+    "occurrence of the last few tokens (prompt lookup); ngram-pool = the same, then from the "
+    "n-grams of the run's other sequences (the server's requests share one pool); a "
+    "checkpoint (path or known name) = a "
     "smaller model with the same tokenizer drafts greedily; self:q4 / self:int8 = the model's "
     "own weights at that type draft. Up to --draft_tokens drafted tokens are checked in one "
     "call; greedy output is exactly what decoding without drafts gives (each checked "

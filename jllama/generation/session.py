@@ -74,7 +74,8 @@ class Session(SlotsMixin):
         samples (the server): auto then never picks the device loop.
       compile_ahead: compile each generation's programs before it starts (`compile_for`);
         False leaves them to compile where first run.
-      draft: speculative decoding (`jllama.generation.speculative`): "none", "ngram", or a
+      draft: speculative decoding (`jllama.generation.speculative`): "none", "ngram",
+        "ngram-pool" (n-grams shared by the session's generations, `ngram_pool`), or a
         `jllama.generation.draft_model.DraftModel` (`Session.prepare` also takes a checkpoint
         or self:q4 / self:int8 here and loads it); generations with run.c's sampler and no
         log-probs decode with drafts, to the same tokens (greedy) or the same distribution
@@ -93,6 +94,12 @@ class Session(SlotsMixin):
         if isinstance(draft, str) and draft not in DRAFTERS:
             raise ValueError(f"draft={draft!r}; known: {', '.join(DRAFTERS)}, or a DraftModel")
         self.draft, self.draft_tokens = draft, draft_tokens
+        self.ngram_pool = None
+        """The `NgramPool` every generation's drafter shares with draft="ngram-pool"."""
+        if draft == "ngram-pool":
+            from jllama.generation.ngram_pool import NgramPool
+
+            self.ngram_pool = NgramPool()
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r}; known: {', '.join(PREFILL_MODES)}")
         self.model = model
@@ -276,7 +283,8 @@ class Session(SlotsMixin):
                 self._loops_compiled.add((plain.kind, masked))
                 plain = self._bound(slot, plain)
             speculation = SpeculativeDecoder(
-                self._bound(slot, verifier(self.backend)), make_drafter(self.draft),
+                self._bound(slot, verifier(self.backend)),
+                make_drafter(self.draft, self.ngram_pool),
                 [*context_ids, *prompt_ids], stop_ids, self.config.seq_len, self.draft_tokens,
                 self.tokenizer.vocab_size if self.padded else None, plain,
                 None if greedy(sampler) else sampler,

@@ -58,8 +58,8 @@ from jllama.generation.generate import GenerationStats
 from jllama.sampling import Sampler, argmax, softmax
 from jllama.sampling.runc import first_above, nucleus
 
-DRAFTERS = ("none", "ngram")
-"""What `--draft` takes."""
+DRAFTERS = ("none", "ngram", "ngram-pool")
+"""What `--draft` takes besides a draft model (ngram-pool: `jllama.generation.ngram_pool`)."""
 
 REST_CALLS = 4
 """Calls decoded without drafts after a one-token draft is rejected (text that does not
@@ -113,9 +113,11 @@ class NgramDrafter:
         return []
 
 
-def make_drafter(draft):
-    """A new drafter for one generation: `draft` is "none" (None), "ngram" or a
-    `jllama.generation.draft_model.DraftModel` (a `ModelDrafter` on a KV cache of its own).
+def make_drafter(draft, pool=None):
+    """A new drafter for one generation: `draft` is "none" (None), "ngram", "ngram-pool" (a
+    `PooledNgramDrafter` reading and adding to `pool`, the session's `NgramPool`; a new one if
+    None) or a `jllama.generation.draft_model.DraftModel` (a `ModelDrafter` on a KV cache of
+    its own).
 
     Raises:
       ValueError: an unknown name.
@@ -128,6 +130,10 @@ def make_drafter(draft):
         return None
     if draft == "ngram":
         return NgramDrafter()
+    if draft == "ngram-pool":
+        from jllama.generation.ngram_pool import NgramPool, PooledNgramDrafter
+
+        return PooledNgramDrafter(NgramPool() if pool is None else pool)
     raise ValueError(f"draft={draft!r}; known: {', '.join(DRAFTERS)}, or a draft model")
 
 

@@ -189,9 +189,9 @@ def memory_plan(model, slots: int = 1, cache_type: str = "f32",
     values' of `value_type` when given, else the same).
 
     Args:
-      draft: speculative decoding's drafter: None, "none" or "ngram" (nothing counted), a
-        `jllama.generation.draft_model.SELF_TYPES` name (the target's weights at that type,
-        sized without converting them), or the draft checkpoint's opened `Model`.
+      draft: speculative decoding's drafter: None, "none", "ngram" or "ngram-pool" (nothing
+        counted), a `jllama.generation.draft_model.SELF_TYPES` name (the target's weights at
+        that type, sized without converting them), or the draft checkpoint's opened `Model`.
       drafters: draft KV caches held at once (default `slots`).
 
     Raises:
@@ -224,7 +224,7 @@ def _draft_fields(model, draft, drafters: int) -> dict:
     from jllama.model import cache_types
     from jllama.model.weights import weights_dtype, weights_nbytes
 
-    if draft is None or draft in ("none", "ngram"):
+    if draft is None or draft in ("none", "ngram", "ngram-pool"):
         return {}
     if isinstance(draft, str):
         from jllama.generation.draft_model import SELF_TYPES
