@@ -370,3 +370,16 @@ def test_templates_render_as_transformers_with_tools(hf_models, name):
         assert ids == theirs(want, add_special_tokens=False)["input_ids"]
     assert got.endswith("<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if name == "qwen3"
                                                      else ""))
+
+
+def test_llama2c_files_cannot_hold_the_qwen_additions(tmp_path):
+    from jllama.formats.llama2c_writer import write_checkpoint
+    from jllama.model.weights import random_weights
+
+    for extra in ({"qkv_bias": True}, {"qk_norm": True}):
+        config = ModelConfig(64, 96, 1, 4, 2, 32, 16, **extra)
+        name = next(iter(extra))
+        with pytest.raises(ConfigError, match=f"{name}=True: a llama2.c version-1 file has no "
+                                              "place"):
+            write_checkpoint(tmp_path / "m.bin", config, random_weights(config), version=1,
+                             force=True)
