@@ -186,3 +186,35 @@ def test_scheduled_constrained_requests_with_drafts_give_the_plain_tokens(model)
     assert runs["ngram"] == runs["none"]
     assert runs["ngram", "alone"] == runs["none", "alone"] == runs["none"][0]
     assert stats.drafted_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["ngram", "self:int8"])
+def test_smollm2_json_under_a_schema_with_drafts_is_plain(smollm2_gguf, draft):
+    """SmolLM2 (Q4_1 blocks) asked to copy a JSON object from the prompt under its schema:
+    the same ids with and without drafts, and most of the object drafted and accepted."""
+    from jllama.chat import ChatTemplate
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
+        "population": {"type": "integer"}, "landmarks": {"type": "array", "maxItems": 4,
+                                                         "items": {"type": "string",
+                                                                   "maxLength": 40}}},
+        "required": ["city", "country", "population", "landmarks"], "additionalProperties": False}
+    record = ('{"city": "Lyon", "country": "France", "population": 522250, "landmarks": '
+              '["Fourviere Basilica", "Parc de la Tete d\'Or", "Vieux Lyon"]}')
+    model = open_model(smollm2_gguf)
+    prompt = ChatTemplate(model.chat_template).render(
+        [{"role": "user", "content": f"Repeat this JSON exactly:\n{record}"}])
+    runs = {}
+    for drafter in ("none", draft):
+        session = Session.prepare(model, "jax", draft=drafter, draft_tokens=15)
+        generation = session.generate(session.encode(prompt, parse_special=True),
+                                      Sampler(temperature=0.0), max_tokens=80,
+                                      grammar=Grammar.json_schema(schema))
+        ids = [t.id for t in generation]
+        runs[drafter] = (ids, generation.stats, generation.generated_ids)
+    (plain, _, generated), (drafted, stats, _) = runs["none"], runs[draft]
+    assert drafted == plain
+    jsonschema.validate(json.loads(model.tokenizer.decode(generated)), schema)
+    assert stats.accepted_tokens > 15, stats
