@@ -58,6 +58,7 @@ BOMBS = {
     "nested_literals_json": _LITERALS + "{{ c|tojson }}",
     "nested_literals_concat": _LITERALS + "{{ '' ~ c }}",
     "tojson_indent": "{{ messages|tojson(indent=10**9) }}",
+    "tojson_separators": "{{ ([0] * 1000)|tojson(separators=('x' * 1000000, ':')) }}",
     "output_loop": "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s }}{% endfor %}",
     "macro_twice": _TWICE,
     "lipsum": "{{ lipsum(10**6) }}",

@@ -2,18 +2,23 @@
 
 For each real template (tests/data/templates, or --templates=DIR such as llama.cpp's
 models/templates) and each conversation (plain, and with one tool call and its result), the
-same template compiled twice, alternated round by round in one process:
+same template compiled three times, alternated round by round in one process:
 
   plain    Jinja's ImmutableSandboxedEnvironment with jllama's helpers (raise_exception,
-           strftime_now, tojson, {% generation %}) and no limits: what transformers runs;
+           strftime_now, tojson's encoding, {% generation %}) and no limits: what transformers
+           runs (its tojson is json.dumps, the same text; jllama's keeps json's C encoder
+           between calls, a saving that is not the limits' to claim, so plain has it too);
   bounded  jllama's `render_template`: the same, with the watcher registered and every step
-           that could make a huge value sized before it runs.
+           that could make a huge value sized before it runs;
+  transformers  plain with transformers' tojson (json.dumps, which builds its encoder at each
+           call): what a user of transformers' sandbox would see instead.
 
 Each figure is the best of --rounds rounds of --number renderings (microseconds a rendering).
 A template transformers' own sandbox refuses for a conversation is left out of that pair.
 Also `ChatTemplate.render` (what the CLI and the server call: the message checks too), and
 the limits' cost as a share of it. The last line sums the times over templates:
-overhead = bounded / plain - 1.
+overhead = bounded / plain - 1 (the limits' cost), overhead_vs_transformers = bounded /
+transformers - 1 (jllama's rendering against transformers' sandbox).
 
   .venv/bin/python bench/template_limits.py
   .venv/bin/python bench/template_limits.py --templates=path/to/llama.cpp/models/templates
@@ -63,16 +68,26 @@ CONVERSATIONS = {
 }
 
 
-def plain_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    """The sandbox jllama's is built on, with the same helpers and none of the limits."""
+def _json_dumps(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' tojson filter."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+# jllama's tojson without its sizing (json.dumps before jllama kept json's encoders: this
+# script measures older commits too).
+_JLLAMA_JSON = getattr(sandbox, "json_text", _json_dumps)
+
+
+def plain_environment(tojson=_JLLAMA_JSON) -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The sandbox jllama's is built on, with the same helpers and none of the limits (or,
+    given `tojson=_json_dumps`, transformers' tojson)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, sandbox._GenerationBlock])
     env.globals["raise_exception"] = sandbox._raise_exception
     env.globals["strftime_now"] = sandbox._strftime_now
-    env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, \
-        sort_keys=False: json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                                    separators=separators, sort_keys=sort_keys)
+    env.filters["tojson"] = tojson
     return env
 
 
@@ -96,12 +111,14 @@ def main() -> int:
     print(json.dumps({"metric": "meta", "machine": machine(), "args": {
         "templates": str(args.templates), "number": args.number, "rounds": args.rounds}}))
     plain_env = plain_environment()
+    hf_env = plain_environment(_json_dumps)
     totals = {"plain": 0.0, "bounded": 0.0, "chat_template": 0.0, "plain_for_chat": 0.0,
-              "bounded_for_chat": 0.0}
+              "bounded_for_chat": 0.0, "transformers": 0.0}
     ratios = []
     for path in sorted(args.templates.glob("*.jinja")):
         source = path.read_text()
         plain, bounded = plain_env.from_string(source), compile_template(source)
+        hf = hf_env.from_string(source)
         for name, conversation in CONVERSATIONS.items():
             variables = dict(conversation, add_generation_prompt=True, bos_token="<s>",
                              eos_token="</s>", date_string="26 Jul 2024")
@@ -112,10 +129,11 @@ def main() -> int:
             if render_template(bounded, variables) != expected:
                 print(json.dumps({"metric": "differs", "template": path.stem, "conversation": name}))
                 continue
-            plain_us, bounded_us = [], []
+            plain_us, bounded_us, hf_us = [], [], []
             for _ in range(args.rounds):  # alternated round by round
                 plain_us += best_us(lambda: plain.render(variables), args.number, 1)
                 bounded_us += best_us(lambda: render_template(bounded, variables), args.number, 1)
+                hf_us += best_us(lambda: hf.render(variables), args.number, 1)
             chat = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
             extra = {k: v for k, v in conversation.items() if k != "messages"}
             try:
@@ -126,11 +144,13 @@ def main() -> int:
                 chat_us = [float("nan")]
             row = {"metric": "template", "template": path.stem, "conversation": name,
                    "plain_us": min(plain_us), "bounded_us": min(bounded_us),
+                   "transformers_us": min(hf_us),
                    "chat_template_render_us": min(chat_us),
                    "overhead": min(bounded_us) / min(plain_us) - 1}
             print(json.dumps(row))
             totals["plain"] += row["plain_us"]
             totals["bounded"] += row["bounded_us"]
+            totals["transformers"] += row["transformers_us"]
             if chat_us[0] == chat_us[0]:  # not NaN
                 totals["chat_template"] += row["chat_template_render_us"]
                 totals["plain_for_chat"] += row["plain_us"]
@@ -142,6 +162,8 @@ def main() -> int:
         "overhead_of_sum": totals["bounded"] / totals["plain"] - 1,
         "overhead_median": statistics.median(ratios),
         "overhead_max": max(ratios),
+        "transformers_us_sum": totals["transformers"],
+        "overhead_vs_transformers_of_sum": totals["bounded"] / totals["transformers"] - 1,
         "chat_template_render_us_sum": totals["chat_template"],
         "overhead_of_chat_template_render": (totals["bounded_for_chat"]
                                              - totals["plain_for_chat"]) / totals["chat_template"],

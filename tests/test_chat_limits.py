@@ -59,6 +59,7 @@ HOSTILE = [
     (NESTED_LITERALS + "{{ d|string }}", "a value of"),
     (NESTED_LITERALS + "{{ '' ~ d }}", "a value of"),
     ("{{ 'x'|tojson(indent=10**9) }}", "tojson indent"),
+    ("{{ ([0] * 1000)|tojson(separators=('x' * 1000000, ':')) }}", "a value of"),
     ("{{ {}.fromkeys(range(100000), 'x' * 1000000) }}", "a value of"),
     ("{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s }}{% endfor %}",
      "wrote 100000000000 characters"),

@@ -19,6 +19,7 @@ Loops, recursion and accumulation are left to the watcher (`jllama.chat.watchdog
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +32,8 @@ import markupsafe
 
 from jllama.chat import limits
 from jllama.errors import ChatError
+
+_METHOD_CLASSES = (type("".join), types.FunctionType)
 
 _SIZED_METHODS = frozenset({
     "center", "ljust", "rjust", "zfill", "expandtabs", "replace", "join", "translate",
@@ -91,11 +94,42 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
             self.write(f").__class__ is str else str(environment.finalize({name})))")
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
-        self.write("environment.bounded_concat((")
+        """`a ~ b ~ c`: where every operand is a string, joined inline, after a type test and,
+        with two operands or more that are not constants, their lengths summed (one that
+        is alone outgrows the constants' size only, as in `visit_Add`); anything else by
+        `bounded_concat`, which sizes the operands' text. Each operand is evaluated once."""
+        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
+            self.write("environment.bounded_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+            return
+        parts: list[str] = []  # each operand: a constant's text, or the name it is bound to
+        dynamic: list[tuple[str, jinja2.nodes.Expr]] = []
         for arg in node.nodes:
+            if isinstance(arg, jinja2.nodes.Const) and (
+                arg.value is None or type(arg.value) in (str, int, float, bool)
+            ):
+                parts.append(repr(str(arg.value)))
+            else:
+                name = self.temporary_identifier()
+                parts.append(name)
+                dynamic.append((name, arg))
+        if not dynamic:
+            self.write(repr("".join(str(arg.value) for arg in node.nodes)))
+            return
+        operands = "(" + ", ".join(parts) + ",)"
+        self.write(f"(''.join({operands}) if (")
+        for i, (name, arg) in enumerate(dynamic):  # evaluated here, in order
+            self.write(f"{' & ' if i else ''}(({name} := ")
             self.visit(arg, frame)
-            self.write(", ")
-        self.write("))")
+            self.write(").__class__ is str)")
+        self.write(")")
+        if len(dynamic) > 1:
+            lengths = " + ".join(f"len({name})" for name, _ in dynamic)
+            self.write(f" and {lengths} <= {limits.MAX_TEMPLATE_VALUE}")
+        self.write(f" else environment.bounded_concat({operands}))")
 
 
 _TEXT_FILTERS = frozenset({
@@ -200,28 +234,55 @@ def _text_of(value: Any) -> str:
 
 
 # The commonest text filters, written with the check inside rather than wrapped (a wrapper
-# costs a call on each use; real templates trim every message).
+# costs a call on each use; real templates trim every message), and a string taken as it is
+# without calling `_text_of`.
 def _trim(value: Any, chars: str | None = None) -> str:
     """`trim`: leading and trailing `chars` (whitespace) removed."""
-    return _text_of(value).strip(chars)
+    return (value if value.__class__ is str else _text_of(value)).strip(chars)
 
 
 def _lower(value: Any) -> str:
     """`lower`: the value in lower case."""
-    return _text_of(value).lower()
+    return (value if value.__class__ is str else _text_of(value)).lower()
 
 
 def _upper(value: Any) -> str:
     """`upper`: the value in upper case."""
-    return _text_of(value).upper()
+    return (value if value.__class__ is str else _text_of(value)).upper()
 
 
 def _string(value: Any) -> str:
     """`string`: the value as text."""
-    return _text_of(value)
+    return value if value.__class__ is str else _text_of(value)
 
 
-_OWN_FILTERS = {"trim": _trim, "lower": _lower, "upper": _upper, "string": _string}
+def _list(value: Any) -> list:
+    """`list`: the value's items (a string's characters, 8 a character counted: each is an
+    object). Jinja's own also dispatches to an async variant at each call, which a sandbox
+    that renders synchronously never takes."""
+    if isinstance(value, str):
+        limits.check_size(8 * len(value))
+    return list(value)
+
+
+_OWN_FILTERS = {"trim": _trim, "lower": _lower, "upper": _upper, "string": _string,
+                "list": _list}
+
+
+def _replace_filter(bounded: Callable) -> Callable:
+    """`replace` with strings, its commonest use (escaping a value: `|replace('&', '&amp;')`),
+    sized inline; anything else by `bounded` (Jinja's, wrapped by `_bounded_filter`)."""
+
+    @jinja2.pass_eval_context
+    def replace(eval_ctx, s: Any, old: Any, new: Any, count: Any = None) -> Any:
+        if (s.__class__ is str and old.__class__ is str and new.__class__ is str
+                and not eval_ctx.autoescape):
+            if len(new) > len(old):
+                limits.check_size(limits.replace_size(s, old, new, count))
+            return s.replace(old, new, -1 if count is None else count)
+        return bounded(eval_ctx, s, old, new, count)
+
+    return replace
 
 
 def _bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
@@ -239,7 +300,14 @@ class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"+", "*", "**", "%"})
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's signature
-        if (args or kwargs) and getattr(__obj, "__name__", None) in _SIZED_METHODS:
+        # A sized method is a builtin's (str.center) or the sandbox's wrapper of str.format:
+        # the class is tested first, the cheapest test for the calls that are neither
+        # (macros, dict.get, the template's globals).
+        if (
+            __obj.__class__ in _METHOD_CLASSES
+            and (args or kwargs)
+            and __obj.__name__ in _SIZED_METHODS
+        ):
             method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
             owner = getattr(method, "__self__", None)
             if owner is not None:
@@ -285,3 +353,5 @@ def bound_filters(env: jinja2.Environment) -> None:
         if name in limits.FILTER_SIZES or name in limits.STRINGIFY else f
         for name, f in env.filters.items()
     }
+    if "replace" in env.filters:
+        env.filters["replace"] = _replace_filter(env.filters["replace"])

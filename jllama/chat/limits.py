@@ -198,6 +198,17 @@ def format_size(fmt: str, args: tuple, kwargs: Mapping) -> int:
     """An upper bound of the characters `fmt.format(*args, **kwargs)` writes: the text, each
     field's width and precision, and the size of the argument it names (the whole argument
     where the field picks a part of it). Fields nested in a format spec are refused."""
+    if ":" not in fmt:
+        # No format spec, so no width: each field (at most one a "{") writes at most the
+        # text of the biggest argument. Parsing the format costs more than a real template's
+        # `'<tok{}>'.format(x)` itself: the bound is enough unless it is over the limit.
+        biggest = 0
+        for values in (args, kwargs.values()):
+            for v in values:
+                biggest = max(biggest, len(v) + 2 if v.__class__ is str else text_size(v))
+        bound = len(fmt) + fmt.count("{") * biggest
+        if bound <= MAX_TEMPLATE_VALUE:
+            return bound
     total = 0
     auto = 0
     for literal, field, spec, _conversion in _FORMATTER.parse(fmt):
@@ -245,8 +256,11 @@ def _join_size(items: Any, sep: Any) -> int:
     return text_size(items) + len(_text(sep) if sep is not None else "") * n
 
 
-def _replace_size(s: str, old: Any, new: Any, count: Any) -> int:
+def replace_size(s: str, old: Any, new: Any, count: Any) -> int:
+    """An upper bound of the characters `s.replace(old, new, count)` writes."""
     old, new = _text(old), _text(new)
+    if len(new) <= len(old):
+        return len(s)  # no longer than `s` (no need to count the hits)
     hits = s.count(old) if old else len(s) + 1
     if isinstance(count, int) and count >= 0:
         hits = min(hits, count)
@@ -268,7 +282,7 @@ FILTER_SIZES = {
     "format": lambda v, a, k: printf_size(str(v), k if k else tuple(a)),
     "indent": lambda v, a, k: _len(v) + _lines(v) * (
         len(w) if isinstance(w := _arg(a, k, 0, "width", 4), str) else _int(w)),
-    "replace": lambda v, a, k: _replace_size(str(v), _arg(a, k, 0, "old", ""),
+    "replace": lambda v, a, k: replace_size(str(v), _arg(a, k, 0, "old", ""),
                                              _arg(a, k, 1, "new", ""), _arg(a, k, 2, "count")),
     "join": lambda v, a, k: _join_size(v, _arg(a, k, 0, "d", "")),
     "wordwrap": lambda v, a, k: _len(v) + (_len(v) + 1) * len(
@@ -288,9 +302,10 @@ FILTER_SIZES = {
 }
 
 # Filters that write their value as text (`str()` of a list writes all its items): a value that
-# is not a string has its text counted before they run.
+# is not a string has its text counted before they run (`join` writes its items, counted by
+# its size in FILTER_SIZES).
 STRINGIFY = frozenset({
-    "capitalize", "center", "e", "escape", "forceescape", "format", "indent", "join", "lower",
+    "capitalize", "center", "e", "escape", "forceescape", "format", "indent", "lower",
     "pprint", "replace", "string", "striptags", "title", "trim", "truncate", "upper",
     "urlencode", "urlize", "wordcount", "wordwrap", "xmlattr",
 })
@@ -304,6 +319,8 @@ def method_size(self: Any, name: str, args: tuple, kwargs: Mapping) -> int | Non
     """The bound of what a method of a string, bytes, int or dict makes, for those that can
     make much more than their operands (`str.center`, `str.join`, `int.to_bytes`, ...); None
     for other methods (their results are checked after)."""
+    if name == "format" and isinstance(self, str):  # the commonest, first
+        return format_size(self, args, kwargs)
     if isinstance(self, (str, bytes, bytearray)):
         if name in ("center", "ljust", "rjust", "zfill"):
             return max(len(self), _int(_arg(args, kwargs, 0, "width", 0)))
@@ -311,7 +328,7 @@ def method_size(self: Any, name: str, args: tuple, kwargs: Mapping) -> int | Non
             return len(self) + self.count("\t" if isinstance(self, str) else b"\t") * max(
                 _int(_arg(args, kwargs, 0, "tabsize", 8)), 0)
         if name == "replace" and isinstance(self, str):
-            return _replace_size(self, _arg(args, kwargs, 0, "old", ""),
+            return replace_size(self, _arg(args, kwargs, 0, "old", ""),
                                  _arg(args, kwargs, 1, "new", ""), _arg(args, kwargs, 2, "count"))
         if name == "replace":
             new = _arg(args, kwargs, 1, "new", b"")

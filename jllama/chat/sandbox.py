@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import json.encoder
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -74,22 +75,24 @@ def _tojson(
     Jinja's built-in `tojson` escapes `<`, `>`, `&` and `'` for HTML and sorts keys; a prompt
     wants neither. The arguments are `json.dumps`'s, and the text is the same, refused past
     `MAX_TEMPLATE_VALUE` characters (a list holding one string many times is small to make and
-    huge to write): sized before `json.dumps` writes it, or, with an `indent` (where json's
-    Python encoder writes it piece by piece anyway), before its pieces are joined. `indent` is at most
-    `MAX_JSON_INDENT`.
+    huge to write, and so is a short list with long separators): sized before json's C encoder
+    writes it, or, with an `indent` (where json's Python encoder writes it piece by piece
+    anyway), before its pieces are joined. `indent` is at most `MAX_JSON_INDENT`.
     """
+    if indent is None:
+        # json's C encoder writes the whole text in one call: size it first.
+        if type(value) is not str:
+            n = limits.text_size(value)
+            if separators is not None:
+                n += n // 2 * _separators_extra(separators)  # text_size counts >= 2 an item
+            limits.check_size(n)
+        elif len(value) > limits.MAX_TEMPLATE_VALUE:
+            raise limits.too_large(len(value))
+        return json_text(value, ensure_ascii, None, separators, sort_keys)
     width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
     if width > MAX_JSON_INDENT:
         raise ChatError(f"chat template: tojson indent of {width} (refused; the limit is "
                         f"{MAX_JSON_INDENT})")
-    if indent is None:
-        # json.dumps's C encoder writes the whole text in one call: size it first.
-        if type(value) is not str:
-            limits.check_size(limits.text_size(value))
-        elif len(value) > limits.MAX_TEMPLATE_VALUE:
-            raise limits.too_large(len(value))
-        return json.dumps(value, ensure_ascii=ensure_ascii, separators=separators,
-                          sort_keys=sort_keys)
     # With an indent, json's Python encoder makes the text piece by piece (Python code the
     # watcher can stop): the pieces are counted as they come, a batch at a time (a check per
     # piece costs a fifth of the encoding), and refused once past the limit.
@@ -105,6 +108,55 @@ def _tojson(
                             "characters (refused)")
         chunks += batch
     return "".join(chunks)
+
+
+def _separators_extra(separators: Any) -> int:
+    """The characters an item's `separators` write beyond the ", " and ": " that
+    `limits.text_size` counts (0 for separators json refuses itself)."""
+    try:
+        item, key = separators
+    except (TypeError, ValueError):
+        return 0
+    if not (isinstance(item, str) and isinstance(key, str)):
+        return 0
+    return max(len(item) - 2, 0) + max(len(key) - 2, 0)
+
+
+def json_text(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """`json.dumps(value, ...)` with these arguments, and no limit (`_tojson` sizes first).
+
+    `json.dumps` with any argument other than its defaults builds a `JSONEncoder` and its C
+    encoder at each call, which costs more than encoding a tool call's arguments: the C
+    encoders of the commonest calls (`tojson`, `tojson(ensure_ascii=True)`) are built once. They
+    check no circular references, where `json.dumps` does (a value that holds itself is
+    refused by `_tojson`'s sizing first, and is an error either way: json's recursion limit).
+    """
+    if separators is None and not sort_keys and indent is None and type(ensure_ascii) is bool:
+        encode = _C_ENCODERS[ensure_ascii]
+        if encode is not None:
+            return "".join(encode(value, 0))
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _c_encoder(ensure_ascii: bool) -> Any:
+    """json's C encoder as `json.dumps(ensure_ascii=ensure_ascii)` builds it (None where json
+    has no C speedups)."""
+    if json.encoder.c_make_encoder is None:
+        return None
+    return json.encoder.c_make_encoder(
+        None, json.JSONEncoder().default,
+        json.encoder.encode_basestring_ascii if ensure_ascii else json.encoder.encode_basestring,
+        None, ": ", ", ", False, False, True)
+
+
+_C_ENCODERS = {False: _c_encoder(False), True: _c_encoder(True)}
 
 
 _JSON_BATCH = 64
@@ -236,6 +288,9 @@ def render_template(compiled: jinja2.Template, variables: Mapping[str, Any]) -> 
         finally:
             stop_watch(watch)
     except Stopped:
+        # Again: the watcher raises at each look until the rendering ends, and a second
+        # Stopped arriving as the first unwinds can cut the `finally` short before it ran.
+        stop_watch(watch)
         raise ChatError(f"chat template: {watch[REASON] or 'stopped'} (refused)") from None
     except ChatError:
         raise

@@ -4,23 +4,34 @@ too much: `MAX_TEMPLATE_SECONDS` and `MAX_TEMPLATE_GROWTH`.
 Counting each step of a rendering in Python doubles the time a real template takes (measured:
 Llama 3.3's template with one tool, 35 -> 90 us a rendering), for limits a real template never
 comes near. So time and memory are watched instead: `start()` registers the rendering
-thread with one watcher thread (started at the first rendering, a daemon), which looks every
-`POLL_SECONDS` while any rendering is registered and, for one past its deadline or whose process
-grew past `MAX_TEMPLATE_GROWTH` since it started, raises `Stopped` in the rendering thread
+thread with one watcher thread (started at the first rendering, a daemon), which looks now and
+then while renderings come and, for one past its deadline or whose process grew past
+`MAX_TEMPLATE_GROWTH` since it started, raises `Stopped` in the rendering thread
 (`PyThreadState_SetAsyncExc`: delivered at the thread's next Python instruction; a template's
 loops, macros and filters are Python code, and each single C call a template can make is
 bounded in size before it runs by `jllama.chat.limits`). A rendering that ends first costs a
 dictionary entry. The watcher is the one piece of process state here: a thread per rendering
 would cost more than the rendering.
 
-Memory is the process's resident set (`jllama.platform.runtime.rss_bytes`, Linux's VmRSS; elsewhere
-only time is watched), read when the watcher first sees a rendering and at each look after: what other
-threads allocate in the meantime counts too, which `MAX_TEMPLATE_GROWTH` leaves room for.
+What a look costs a rendering is the GIL: the watcher takes it from the rendering thread at
+each look (on a busy machine that hand-over, and the one back, wait for the scheduler: 0.1-0.3
+ms measured on 2 loaded cores), so it looks as seldom as the limits allow. While the renderings
+it sees all end between two looks (real templates render in well under a millisecond) it looks
+every `QUIET_SECONDS`; once one has run past a look it looks every `POLL_SECONDS`; after
+`IDLE_SECONDS` without a rendering it waits to be woken by the next one. A look reads the
+resident set without letting go of the GIL (a file read would hand it over twice more).
+
+Memory is the process's resident set (Linux's VmRSS, from /proc/self/statm; elsewhere only time
+is watched). A rendering's growth counts from the reading taken at the look before it was first
+seen, so before it started (or when the watcher was woken for it): a rendering is checked at the
+first two looks that see it, at most `QUIET_SECONDS` apart, then every `POLL_SECONDS`; what
+other threads allocate in the meantime counts too, which `MAX_TEMPLATE_GROWTH` leaves room for.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from threading import get_ident
@@ -34,7 +45,16 @@ MAX_TEMPLATE_GROWTH = 512 << 20
 """Bytes the process's resident set may grow while one rendering runs."""
 
 POLL_SECONDS = 0.01
-"""How often the watcher looks while a rendering runs."""
+"""How often the watcher looks while a rendering it has seen before still runs."""
+
+QUIET_SECONDS = 0.05
+"""How often it looks while every rendering it sees is new (a look costs a rendering the GIL;
+a rendering that grows the process at 4 GB/s reaches 200 MB in the two looks before the
+watcher looks every `POLL_SECONDS`)."""
+
+IDLE_SECONDS = 1.0
+"""How long the watcher goes on looking with no rendering registered before it waits to be
+woken (waking it costs the next rendering the GIL, twice)."""
 
 
 class Stopped(BaseException):
@@ -44,8 +64,32 @@ class Stopped(BaseException):
 
 # A rendering's record: a list, not an object, so that registering one is a few C calls.
 # SECONDS is what `start` was given; the watcher sets DEADLINE and START_RSS when it first
-# sees the rendering (at most `POLL_SECONDS` after it starts: no clock is read per rendering).
+# sees the rendering (no clock is read per rendering).
 THREAD, SECONDS, DEADLINE, START_RSS, REASON, DONE = range(6)
+
+
+def _statm_reader():
+    """A function returning the resident set in bytes (0 where it cannot be read) that keeps
+    the GIL: /proc/self/statm read with libc's `pread` called through `ctypes.PyDLL` (a
+    Python file read, or a `ctypes.CDLL` call, lets the GIL go and takes it back: two more
+    hand-overs with the rendering thread a look). Elsewhere than Linux, `rss_bytes` (0)."""
+    try:
+        fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        pread = ctypes.PyDLL(None).pread
+    except (OSError, AttributeError):
+        return rss_bytes
+    pread.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long)
+    pread.restype = ctypes.c_ssize_t
+    buf = ctypes.create_string_buffer(128)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def read() -> int:
+        n = pread(fd, buf, 128, 0)  # "size resident shared ..." in pages
+        fields = buf.raw[:n].split() if n > 0 else ()
+        return int(fields[1]) * page if len(fields) > 1 else 0
+
+    return read
+
 
 class _Watcher:
     """The watcher thread and the renderings it watches (`renderings`: id(record) -> record).
@@ -82,29 +126,39 @@ class _Watcher:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(rendering[THREAD]), None)
 
     def _run(self) -> None:
+        self.idle = False
+        read_rss = _statm_reader()
+        rss = read_rss()  # the last reading: the growth of a rendering first seen counts from it
+        seen_at = time.monotonic()  # when a look last saw a rendering
+        wait = QUIET_SECONDS
         while True:
-            # Idle as soon as no rendering is registered: looking every POLL_SECONDS while
-            # renderings come and go costs each of them more (the GIL handed to this thread
-            # at each look) than being woken when one starts after a quiet spell.
-            self.idle = True
-            if not self.renderings:
-                self.wake.wait()
-            self.idle = False
-            self.wake.clear()
-            time.sleep(POLL_SECONDS)
+            if time.monotonic() - seen_at > IDLE_SECONDS:
+                self.idle = True
+                if not self.renderings:
+                    self.wake.wait()
+                    rss = read_rss()  # before the rendering that woke it grows
+                self.idle = False
+                self.wake.clear()
+                seen_at = time.monotonic()
+            time.sleep(wait)
+            # The reading before the snapshot: a rendering not in this snapshot registered
+            # after it, so its growth counts from this reading.
+            baseline, rss = rss, read_rss()
             renderings = list(self.renderings.values())
+            wait = QUIET_SECONDS
             if not renderings:
                 continue
-            now = time.monotonic()
-            rss = rss_bytes() or None  # 0: not readable here
+            now = seen_at = time.monotonic()
             for rendering in renderings:
-                if rendering[DEADLINE] is None:
+                if rendering[DEADLINE] is None:  # new since the last look
                     rendering[DEADLINE] = now + rendering[SECONDS]
-                    rendering[START_RSS] = rss
+                    rendering[START_RSS] = baseline
+                else:  # ran past a look: looked at closely from now on
+                    wait = POLL_SECONDS
                 reason = None
                 if now > rendering[DEADLINE]:
                     reason = f"rendering took more than {rendering[SECONDS]:g} s"
-                elif rss is not None and rendering[START_RSS] is not None and (
+                elif rss and rendering[START_RSS] and (
                     rss - rendering[START_RSS] > MAX_TEMPLATE_GROWTH
                 ):
                     reason = (f"rendering grew the process by more than "
@@ -123,6 +177,17 @@ class _Watcher:
 
 _WATCHER = _Watcher()
 _RENDERINGS = _WATCHER.renderings
+
+
+def _after_fork() -> None:
+    """A forked child has no watcher thread (threads do not survive a fork): a new one."""
+    global _WATCHER, _RENDERINGS
+    _WATCHER = _Watcher()
+    _RENDERINGS = _WATCHER.renderings
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def start(seconds: float = MAX_TEMPLATE_SECONDS) -> list:
