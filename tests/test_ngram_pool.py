@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from jllama.generation.ngram_pool import NgramPool, PooledNgramDrafter
+from jllama.generation.ngram import NgramPool, PooledNgramDrafter
 from jllama.generation.session import Session
 from jllama.model.loading import open_model
 from jllama.sampling import Sampler

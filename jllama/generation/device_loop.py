@@ -11,7 +11,7 @@ so a conversation that goes on with the host sampler continues the same random s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -24,10 +24,8 @@ from jllama.backends import prepared_backend
 from jllama.backends.base import Prefill
 from jllama.errors import JllamaError
 from jllama.generation.conversation import common_prefix_length
+from jllama.model.cast_nbytes import SELF_TYPES  # the --draft=self:... values
 from jllama.sampling import argmax
-
-SELF_TYPES = {"self:q4": "q4", "self:int8": "int8", "self:bfloat16": "bfloat16"}
-"""`--draft` values that draft with the target's own weights at a narrower type."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from jllama.backends import prepared_backend
@@ -75,7 +75,7 @@ class Session(SlotsMixin):
       compile_ahead: compile each generation's programs before it starts (`compile_for`);
         False leaves them to compile where first run.
       draft: speculative decoding (`jllama.generation.speculative`): "none", "ngram",
-        "ngram-pool" (n-grams shared by the session's generations, `ngram_pool`), or a
+        "ngram-pool" (n-grams shared by the session's generations, `jllama.generation.ngram`), or a
         `jllama.generation.draft_model.DraftModel` (`Session.prepare` also takes a checkpoint
         or self:q4 / self:int8 here and loads it); generations with run.c's sampler and no
         log-probs decode with drafts, to the same tokens (greedy) or the same distribution
@@ -97,7 +97,7 @@ class Session(SlotsMixin):
         self.ngram_pool = None
         """The `NgramPool` every generation's drafter shares with draft="ngram-pool"."""
         if draft == "ngram-pool":
-            from jllama.generation.ngram_pool import NgramPool
+            from jllama.generation.ngram import NgramPool
 
             self.ngram_pool = NgramPool()
         if prefill not in PREFILL_MODES:

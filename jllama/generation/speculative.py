@@ -55,11 +55,12 @@ import numpy as np
 from jllama.backends.base import Verify
 from jllama.generation.device_loop import runc_settings_only
 from jllama.generation.generate import GenerationStats
+from jllama.generation.ngram import NgramDrafter
 from jllama.sampling import Sampler, argmax, softmax
 from jllama.sampling.runc import first_above, nucleus
 
 DRAFTERS = ("none", "ngram", "ngram-pool")
-"""What `--draft` takes besides a draft model (ngram-pool: `jllama.generation.ngram_pool`)."""
+"""What `--draft` takes besides a draft model (ngram, ngram-pool: `jllama.generation.ngram`)."""
 
 REST_CALLS = 4
 """Calls decoded without drafts after a one-token draft is rejected (text that does not
@@ -68,49 +69,6 @@ repeat: each rejected draft costs a verification of two rows for one token)."""
 MAX_DRAFT_TOKENS = 15
 """The most tokens one draft proposes (the verification program's largest row count, 16,
 less the token fed)."""
-
-
-class NgramDrafter:
-    """Prompt lookup over the sequence's own tokens.
-
-    Args:
-      max_n, min_n: the longest and shortest suffix (tokens) looked up, longest first.
-
-    The index (n-gram -> the position after its latest earlier occurrence) grows with the
-    sequence, so a draft costs a few dictionary lookups however long the sequence is.
-    """
-
-    def __init__(self, max_n: int = 5, min_n: int = 3):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.max_n, self.min_n = max_n, min_n
-        self._seen: list[int] = []
-        self._index: dict[tuple[int, ...], int] = {}
-
-    def _update(self, history: Sequence[int]) -> None:
-        seen = self._seen
-        if len(history) < len(seen) or history[:len(seen)] != seen:
-            seen.clear()  # another sequence, or one rewound: index it anew
-            self._index.clear()
-        start = len(seen)
-        seen.extend(history[start:])
-        # Index the n-grams that end before the last token: each has a continuation.
-        for end in range(max(start, 1), len(seen)):
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._index[tuple(seen[end - n:end])] = end
-
-    def draft(self, history: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens proposed to follow `history` (the sequence so far, the last token
-        included); [] when its last tokens occurred nowhere before."""
-        if k < 1:
-            return []
-        self._update(history)
-        seen = self._seen
-        for n in range(min(self.max_n, len(seen) - 1), self.min_n - 1, -1):
-            after = self._index.get(tuple(seen[-n:]))
-            if after is not None:
-                return seen[after:after + k]
-        return []
 
 
 def make_drafter(draft, pool=None):
@@ -131,7 +89,7 @@ def make_drafter(draft, pool=None):
     if draft == "ngram":
         return NgramDrafter()
     if draft == "ngram-pool":
-        from jllama.generation.ngram_pool import NgramPool, PooledNgramDrafter
+        from jllama.generation.ngram import NgramPool, PooledNgramDrafter
 
         return PooledNgramDrafter(NgramPool() if pool is None else pool)
     raise ValueError(f"draft={draft!r}; known: {', '.join(DRAFTERS)}, or a draft model")

@@ -18,6 +18,11 @@ import numpy as np
 from jllama.formats import ggml_quants as gq
 from jllama.model.weights import _MATRICES, DTYPES, Q4_KEEP, Q4_TYPE, matrix_kinds
 
+SELF_TYPES = {"self:q4": "q4", "self:int8": "int8", "self:bfloat16": "bfloat16"}
+"""`--draft` values that draft with the target's own weights at a narrower type, and that type
+(`jllama.generation.draft_model` makes the draft; here so that the memory plan, below the
+generation package, reads them too)."""
+
 _Q8_KEEP = frozenset({gq.Q8_0, *Q4_KEEP, gq.Q5_0, gq.Q5_1, gq.Q4_K, gq.Q5_K, gq.Q6_K})
 """The types q4's 8-bit classifier keeps (`_cast_matrix`'s "int8q8")."""
 

@@ -190,7 +190,7 @@ def memory_plan(model, slots: int = 1, cache_type: str = "f32",
 
     Args:
       draft: speculative decoding's drafter: None, "none", "ngram" or "ngram-pool" (nothing
-        counted), a `jllama.generation.draft_model.SELF_TYPES` name (the target's weights at
+        counted), a `jllama.model.cast_nbytes.SELF_TYPES` name (the target's weights at
         that type, sized without converting them), or the draft checkpoint's opened `Model`.
       drafters: draft KV caches held at once (default `slots`).
 
@@ -227,8 +227,7 @@ def _draft_fields(model, draft, drafters: int) -> dict:
     if draft is None or draft in ("none", "ngram", "ngram-pool"):
         return {}
     if isinstance(draft, str):
-        from jllama.generation.draft_model import SELF_TYPES
-        from jllama.model.cast_nbytes import cast_nbytes
+        from jllama.model.cast_nbytes import SELF_TYPES, cast_nbytes
 
         if draft not in SELF_TYPES:
             raise ValueError(f"draft={draft!r}: a self: type, or the draft's opened Model")

@@ -1,6 +1,7 @@
-"""An n-gram pool that the generations of one `Session` share (`--draft=ngram-pool`): the n-grams
-of every sequence a drafter has read, the server's slots' included, offered as drafts to the
-others, as llama.cpp's `ngram-mod` speculation shares one pool among a server's slots.
+"""N-gram drafters: prompt lookup over a sequence's own tokens (`NgramDrafter`, `--draft=ngram`)
+and an n-gram pool that the generations of one `Session` share (`--draft=ngram-pool`): the
+n-grams of every sequence a drafter has read, the server's slots' included, offered as drafts to
+the others, as llama.cpp's `ngram-mod` speculation shares one pool among a server's slots.
 
 A `PooledNgramDrafter` looks up its own sequence first (prompt lookup, `NgramDrafter`); where
 its last tokens occurred nowhere in it, the pool's latest occurrence in another sequence
@@ -19,7 +20,49 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jllama.generation.speculative import NgramDrafter
+
+class NgramDrafter:
+    """Prompt lookup over the sequence's own tokens.
+
+    Args:
+      max_n, min_n: the longest and shortest suffix (tokens) looked up, longest first.
+
+    The index (n-gram -> the position after its latest earlier occurrence) grows with the
+    sequence, so a draft costs a few dictionary lookups however long the sequence is.
+    """
+
+    def __init__(self, max_n: int = 5, min_n: int = 3):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self._seen: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}
+
+    def _update(self, history: Sequence[int]) -> None:
+        seen = self._seen
+        if len(history) < len(seen) or history[:len(seen)] != seen:
+            seen.clear()  # another sequence, or one rewound: index it anew
+            self._index.clear()
+        start = len(seen)
+        seen.extend(history[start:])
+        # Index the n-grams that end before the last token: each has a continuation.
+        for end in range(max(start, 1), len(seen)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._index[tuple(seen[end - n:end])] = end
+
+    def draft(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens proposed to follow `history` (the sequence so far, the last token
+        included); [] when its last tokens occurred nowhere before."""
+        if k < 1:
+            return []
+        self._update(history)
+        seen = self._seen
+        for n in range(min(self.max_n, len(seen) - 1), self.min_n - 1, -1):
+            after = self._index.get(tuple(seen[-n:]))
+            if after is not None:
+                return seen[after:after + k]
+        return []
+
 
 
 class NgramPool:
