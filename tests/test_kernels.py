@@ -576,19 +576,6 @@ def test_matvec_option_is_checked():
         make_backend("jax", matvec="fast")
 
 
-def test_build_reuses_the_library_and_names_a_missing_compiler(tmp_path, monkeypatch):
-    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
-    path = library.build()
-    assert path.parent == tmp_path / "kernels" and path.is_file()
-    stamp = path.stat().st_mtime_ns
-    assert library.build() == path and path.stat().st_mtime_ns == stamp  # not rebuilt
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
-
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(library.KernelBuildError, match="no C\\+\\+ compiler .*no-such-compiler"):
-        library.build()
-
-
 def test_an_unbalanced_quote_in_cxx_is_no_compiler_not_an_internal_error(monkeypatch, tmp_path):
     monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", 'g++ "x')
@@ -691,7 +678,12 @@ def test_cli_matvec_kernel_on_split_devices_is_one_line_naming_the_flag(tmp_path
     )
 
 
-def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
+def test_a_fresh_home_builds_once_and_the_command_notes_a_missing_compiler(tmp_path,
+                                                                          monkeypatch):
+    """One build from an empty JLLAMA_HOME (each costs a whole compile): without a compiler
+    the command notes it and tells the story on XLA's products; --matvec=kernel builds the
+    library once (into the home's kernels folder, no temporary left) and tells the same story;
+    then neither the command nor `library.build` compiles again; a missing compiler is named."""
     done = _cli([], {"CXX": "/nonexistent/c++"}, tmp_path)
     assert done.returncode == 0, done.stderr
     assert "jllama: note: using XLA's products (--matvec=xla):" in done.stderr
@@ -700,6 +692,16 @@ def test_cli_auto_without_a_compiler_notes_it_and_tells_the_story(tmp_path):
     assert "jllama: building jllama's CPU kernels (once" in with_kernel.stderr  # an empty cache
     again = _cli(["--matvec=kernel"], {}, tmp_path)
     assert "building" not in again.stderr and again.stdout == done.stdout
+
+    monkeypatch.setenv("JLLAMA_HOME", str(tmp_path))
+    path = library.build()
+    assert path.parent == tmp_path / "kernels" and path.is_file()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    stamp = path.stat().st_mtime_ns
+    assert library.build() == path and path.stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(library.KernelBuildError, match="no C\\+\\+ compiler .*no-such-compiler"):
+        library.build()
 
 
 _rope_write = jax.jit(kernels.rope_write, donate_argnums=(3, 4))
@@ -895,28 +897,16 @@ def test_the_prologues_reject_bad_arguments():
 
 @functools.cache
 def march_targets(march: str) -> tuple[dict[str, str], int]:
-    """The kernels built with -march=MARCH (in a temporary JLLAMA_HOME, once per test run),
-    every handler registered with JAX as `<symbol>_<march>`: ({symbol: its name there}, the
-    library's vector width). Skips off x86-64."""
-    import atexit
+    """The kernels built with -march=MARCH (once per process; in JLLAMA_HOME's cache, whose
+    file name hashes the source and the flags, so a machine compiles each level once per
+    source, as the native library), every handler registered with JAX as `<symbol>_<march>`:
+    ({symbol: its name there}, the library's vector width). Skips off x86-64."""
     import ctypes
     import platform
-    import shutil
-    import tempfile
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86-64 -march levels")
-    home = tempfile.mkdtemp(prefix="jllama-march-")
-    atexit.register(shutil.rmtree, home, ignore_errors=True)
-    before = os.environ.get("JLLAMA_HOME")
-    os.environ["JLLAMA_HOME"] = home
-    try:
-        lib = ctypes.CDLL(str(library.build(march=march)))
-    finally:
-        if before is None:
-            del os.environ["JLLAMA_HOME"]
-        else:
-            os.environ["JLLAMA_HOME"] = before
+    lib = ctypes.CDLL(str(library.build(march=march)))
     names = {}
     for symbol in library.SYMBOLS:
         names[symbol] = f"{symbol}_{march.replace('-', '_')}"
