@@ -122,14 +122,9 @@ def _separators_extra(separators: Any) -> int:
     return max(len(item) - 2, 0) + max(len(key) - 2, 0)
 
 
-def json_text(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | str | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """`json.dumps(value, ...)` with these arguments, and no limit (`_tojson` sizes first).
+def json_text(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+              separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """`json.dumps(value, ...)` with `_tojson`'s arguments, and no limit (`_tojson` sizes first).
 
     `json.dumps` with any argument other than its defaults builds a `JSONEncoder` and its C
     encoder at each call, which costs more than encoding a tool call's arguments: the C
