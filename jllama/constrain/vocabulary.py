@@ -80,6 +80,19 @@ def mid_text_encoder(tokenizer: Tokenizer):
     return encode
 
 
+def _is_text_token(tokenizer, token: int) -> bool:
+    """Whether `token` is ordinary text: its own text encodes to it alone. llama.cpp's Qwen2 and
+    Qwen3 GGUFs name "," (id 11) their BOS, which they never add: marked special, it would keep
+    every comma out of a grammar's JSON."""
+    if token in tokenizer.control_ids or not 0 <= token < tokenizer.vocab_size:
+        return False
+    try:
+        text = tokenizer.token_bytes(token).decode("utf-8")
+        return bool(text) and list(tokenizer.encode(text, bos=False)) == [token]
+    except (UnicodeDecodeError, ValueError):
+        return False
+
+
 def build_vocabulary(tokenizer: Tokenizer, n_logits: int | None = None) -> Vocabulary:
     """The `Vocabulary` of `tokenizer` for a model with `n_logits` logits (None: the
     tokenizer's vocab_size). Costs about a second for 100K tokens; `vocabulary_for` caches.
@@ -100,7 +113,9 @@ def build_vocabulary(tokenizer: Tokenizer, n_logits: int | None = None) -> Vocab
         raise ValueError(f"the tokenizer of {tokenizer.source} has no end-of-generation id: "
                          "a constrained generation could not end")
     end_id = tokenizer.eos_id if tokenizer.eos_id in stop_ids else stop_ids[0]
-    special = frozenset(tokenizer.control_ids) | {tokenizer.bos_id, tokenizer.eos_id, *stop_ids}
+    special = frozenset(tokenizer.control_ids) | {tokenizer.eos_id, *stop_ids}
+    if not _is_text_token(tokenizer, tokenizer.bos_id):
+        special |= {tokenizer.bos_id}
     special = frozenset(t for t in special if 0 <= t < n)
     tokens = [
         SPECIAL_MARK + tokenizer.token_bytes(i) if i in special else tokenizer.token_bytes(i)
