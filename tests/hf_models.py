@@ -18,10 +18,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def _classes(family: str):
-    """(config class, model class) of a family: "llama", "mistral", "qwen2" or "qwen3"."""
+    """(config class, model class) of a family: "llama", "mistral", "qwen2", "qwen3" or
+    "qwen3_moe"."""
     import transformers
 
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+              "qwen3_moe": "Qwen3Moe"}[family]
     return (getattr(transformers, prefix + "Config"),
             getattr(transformers, prefix + "ForCausalLM"))
 

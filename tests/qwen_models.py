@@ -51,6 +51,15 @@ KQUANT_SPEC = Spec("qwen3-256", {
     "rope_theta": 1000000.0, "tie_word_embeddings": True}, seed=14, family="qwen3")
 """A Qwen3 whose rows are 256 long, so that llama-quantize's Q4_K_M holds K-quant blocks
 (tests/data/qwen_tiny/qwen3-256-Q4_K_M.gguf; only that file is kept)."""
+MOE_SPEC = Spec("qwen3moe", {
+    **_COMMON, "head_dim": 32, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    seed=15, family="qwen3_moe")
+"""A Qwen3-MoE in small (issue 36's MoE part): Qwen3's attention, and in each layer 8 experts
+of width 32 with 2 routed per token (Qwen3-30B-A3B: 128 experts, 8 routed), no shared
+expert. Its GGUF files (tests/data/qwen_tiny/qwen3moe-tiny-*) come from
+tests/data/make_qwen_moe_tiny.py."""
 TOKENS = [int(t) for t in np.random.default_rng(36).integers(0, BASE, size=24)]
 """The token ids whose logits the oracle holds (a prompt of 24 tokens, run one by one)."""
 

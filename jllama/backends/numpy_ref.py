@@ -151,6 +151,39 @@ def ffn(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> np.nda
     return matmul(w2, silu(matmul(w1, x)) * matmul(w3, x))
 
 
+def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A Mixture-of-Experts router's choice (transformers' `Qwen3MoeSparseMoeBlock`, llama.cpp's
+    `build_moe_ffn` with softmax gating): the softmax of the router logits, its `k` largest
+    entries, and those divided by their sum when `normalize` (norm_topk_prob).
+
+    logits: f32[n_experts] -> (experts int64[k], largest first; weights f32[k]).
+    """
+    probs = softmax(logits.astype(_F32))
+    experts = np.argsort(-probs, kind="stable")[:k]
+    weights = probs[experts]
+    if normalize:
+        weights = weights / np.sum(weights, dtype=_F32)
+    return experts, weights.astype(_F32)
+
+
+def moe_ffn(
+    x: np.ndarray, gate_inp: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray,
+    k: int, normalize: bool,
+) -> np.ndarray:
+    """A Mixture-of-Experts SwiGLU FFN (Qwen3-MoE, no shared expert): router logits
+    `gate_inp @ x`, `route`'s top-k experts and weights, and the weighted sum of those
+    experts' `ffn` outputs. Only the routed experts' matrices are read.
+
+    x: f32[dim]; gate_inp: f32[n_experts, dim]; w1, w3: f32[n_experts, hidden_dim, dim];
+    w2: f32[n_experts, dim, hidden_dim]; k: experts per token -> f32[dim].
+    """
+    experts, weights = route(matmul(gate_inp, x), k, normalize)
+    out = np.zeros(x.shape, _F32)
+    for e, weight in zip(experts, weights, strict=True):
+        out += weight * ffn(x, w1[e], w2[e], w3[e])
+    return out
+
+
 def classifier(
     x: np.ndarray, rms_final_weight: np.ndarray, wcls: np.ndarray, eps: float
 ) -> np.ndarray:
@@ -190,7 +223,8 @@ def forward(
     """One transformer step, as run.c's `forward`: token at `pos` -> logits f32[vocab_size].
 
     The Qwen families' additions sit between the QKV product and RoPE, as in transformers'
-    `Qwen2Attention` (q/k/v biases) and `Qwen3Attention` (q_norm / k_norm per head).
+    `Qwen2Attention` (q/k/v biases) and `Qwen3Attention` (q_norm / k_norm per head); a MoE
+    config's FFN is `moe_ffn`.
 
     Writes this position's keys and values into `cache` (in place). `inv_freq` is
     `rope_frequencies(config)`.
@@ -209,7 +243,11 @@ def forward(
         att = attention(q, cache.key_cache[l], cache.value_cache[l], pos)
         x = x + matmul(weights.wo[l], att)
         xb = rmsnorm(x, weights.rms_ffn_weight[l], config.norm_eps)
-        x = x + ffn(xb, weights.w1[l], weights.w2[l], weights.w3[l])
+        if config.moe:  # Qwen3-MoE: the routed experts' FFNs, weighted
+            x = x + moe_ffn(xb, weights.ffn_gate_inp[l], weights.w1[l], weights.w2[l],
+                            weights.w3[l], config.n_experts_per_tok, config.norm_topk_prob)
+        else:
+            x = x + ffn(xb, weights.w1[l], weights.w2[l], weights.w3[l])
     return classifier(x, weights.rms_final_weight, weights.wcls, config.norm_eps)
 
 

@@ -15,7 +15,12 @@ Tensor names (llama.cpp's `LLM_TENSOR_NAMES`) and where they go:
   blk.N.attn_q/attn_k/attn_v/attn_output.weight -> wq/wk/wv/wo[N]
   blk.N.ffn_gate/ffn_down/ffn_up.weight -> w1/w2/w3[N]
   blk.N.attn_q/attn_k/attn_v.bias -> bq/bk/bv[N] (qwen2)
-  blk.N.attn_q_norm/attn_k_norm.weight -> q_norm/k_norm[N] (qwen3)
+  blk.N.attn_q_norm/attn_k_norm.weight -> q_norm/k_norm[N] (qwen3, qwen3moe)
+  blk.N.ffn_gate_inp.weight -> ffn_gate_inp[N] (qwen3moe's router, float32)
+  blk.N.ffn_gate_exps/ffn_down_exps/ffn_up_exps.weight -> w1/w2/w3[N] (qwen3moe: ne =
+    [dim, hidden, n_experts], i.e. [n_experts, hidden_dim, dim]; each expert a contiguous
+    matrix of the tensor, kept as stored with `stored=True`: a GGMLMatrix of
+    u8[n_experts, rows, row_bytes])
 GGUF lists dimensions innermost first (`ne`), so a tensor with ne = [dim, q_dim] is the
 row-major matrix f32[q_dim, dim] (out x in), llama2.c's orientation.
 
@@ -87,6 +92,18 @@ TENSOR_NAMES = TensorNames(
 )
 """llama.cpp's `LLM_TENSOR_NAMES` for the llama, qwen2 (biases) and qwen3 (q/k norms)
 architectures."""
+
+MOE_TENSOR_NAMES = dataclasses.replace(
+    TENSOR_NAMES,
+    layer_names={
+        **{k: v for k, v in TENSOR_NAMES.layer_names.items() if v not in ("w1", "w2", "w3")},
+        "ffn_gate_inp": "ffn_gate_inp",
+        "ffn_gate_exps": "w1",
+        "ffn_down_exps": "w2",
+        "ffn_up_exps": "w3",
+    },
+)
+"""The qwen3moe architecture's names: the router and each layer's experts as 3-D tensors."""
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -194,12 +211,13 @@ def read_gguf(
             f"{config.vocab_size}"
         )
 
+    names = MOE_TENSOR_NAMES if family.moe else TENSOR_NAMES
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             config = with_rope_freqs(config, tensor, source)
             continue
-        target = TENSOR_NAMES.target(tensor.name, config.n_layers)
+        target = names.target(tensor.name, config.n_layers)
         if target is None or target[0] not in expected_shapes(config):
             raise CheckpointError(
                 f"{source}: unexpected tensor {tensor.name!r} (not part of a {arch} model)"
@@ -232,7 +250,7 @@ def read_gguf(
             raise CheckpointError(f"{source}: tensor {name!r}: {e}") from None
         by_field.setdefault(field, {})[layer] = (name, tensor, type_id, want)
     filled = {(field, layer) for field, layers in by_field.items() for layer in layers}
-    TENSOR_NAMES.check_complete(config, filled, source)
+    names.check_complete(config, filled, source)
     arrays = {field: _field_array(field, layers, shapes[field], stored, source)
               for field, layers in by_field.items()}
     if family.rotate_half:
@@ -269,10 +287,10 @@ def _field_array(field: str, layers: dict, shape: tuple[int, ...], stored: bool,
             if keep_blocks:
                 if type_id in _FLOAT_TYPES:  # a float layer among quantized ones: as its blocks
                     values = ggml_quants.dequantize(tensor.data, type_id, want)
-                    return GGMLMatrix(values.view(np.uint8).reshape(want[0], -1),
+                    return GGMLMatrix(values.view(np.uint8).reshape(*want[:-1], -1),
                                       ggml_quants.F32, want[-1])
                 raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
-                return GGMLMatrix(raw.reshape(want[0], -1), type_id, want[-1])
+                return GGMLMatrix(raw.reshape(*want[:-1], -1), type_id, want[-1])
             values = ggml_quants.dequantize(tensor.data, type_id, want)
             if keep_bf16:
                 import ml_dtypes

@@ -2,8 +2,12 @@
 factors tensor).
 
 `general.architecture` picks the family (`ARCHITECTURES`): `llama` (Llama 1/2/3, SmolLM2, and
-Mistral as llama.cpp's converter writes it), `qwen2` (Qwen2, Qwen2.5: q/k/v biases) or `qwen3`
-(Qwen3 dense: per-head q/k RMSNorm, head_dim of its own); any other is refused naming it. The
+Mistral as llama.cpp's converter writes it), `qwen2` (Qwen2, Qwen2.5: q/k/v biases), `qwen3`
+(Qwen3 dense: per-head q/k RMSNorm, head_dim of its own) or `qwen3moe` (Qwen3's attention and
+a Mixture-of-Experts FFN: expert_count -> n_experts, expert_used_count -> n_experts_per_tok,
+expert_feed_forward_length -> hidden_dim, one expert's width; the routed weights always
+renormalised, as llama.cpp's qwen3moe graph does; expert_shared_count must be 0,
+expert_weights_scale 0 or 1); any other is refused naming it. The
 keys below are prefixed by that name (`llama.`, `qwen2.`, `qwen3.`).
 
 Metadata keys read (as llama.cpp's `llm_load_hparams` for LLM_ARCH_LLAMA / QWEN2 / QWEN3):
@@ -60,6 +64,7 @@ class Architecture:
     Attributes:
       qkv_bias: blk.N.attn_q/k/v.bias present (`ModelConfig.qkv_bias`).
       qk_norm: blk.N.attn_q_norm / attn_k_norm.weight present (`ModelConfig.qk_norm`).
+      moe: a Mixture-of-Experts FFN in every layer (qwen3moe: `moe_settings`).
       rotate_half: RoPE pairs (i, i + head_dim / 2), llama.cpp's LLAMA_ROPE_TYPE_NEOX: the
         converter stores q/k rows in Hugging Face's order, which `jllama.formats.gguf`
         permutes for the adjacent pairs every backend rotates (`llama` files are stored
@@ -69,12 +74,14 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     rotate_half: bool = False
+    moe: bool = False
 
 
 ARCHITECTURES = {
     "llama": Architecture(),
     "qwen2": Architecture(qkv_bias=True, rotate_half=True),
     "qwen3": Architecture(qk_norm=True, rotate_half=True),
+    "qwen3moe": Architecture(qk_norm=True, rotate_half=True, moe=True),
 }
 """The `general.architecture` values jllama runs."""
 
@@ -166,12 +173,14 @@ def config_from_metadata(
     eps_key, theta_key = p + "attention.layer_norm_rms_epsilon", p + "rope.freq_base"
     norm_eps = _get(meta, eps_key, source, float)
     rope_theta = _get(meta, theta_key, source, float, 10000.0)
+    experts = moe_settings(meta, source, p) if family.moe else {}
     try:
         check_norm_eps(norm_eps, eps_key)
         check_rope_theta(rope_theta, theta_key)
         return ModelConfig(
             dim=dim,
-            hidden_dim=_get(meta, p + "feed_forward_length", source, int),
+            hidden_dim=experts.pop("hidden_dim", None)
+            or _get(meta, p + "feed_forward_length", source, int),
             n_layers=_get(meta, p + "block_count", source, int),
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
@@ -184,9 +193,35 @@ def config_from_metadata(
             rope_scaling=rope_scaling,
             qkv_bias=family.qkv_bias,
             qk_norm=family.qk_norm,
+            **experts,
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+def moe_settings(meta: Mapping[str, Any], source: str, prefix: str) -> dict[str, Any]:
+    """A qwen3moe file's expert settings as `ModelConfig` keyword arguments (and hidden_dim);
+    keys in the module docstring.
+
+    Raises:
+      CheckpointError: a key missing or of the wrong type, a shared expert, or an expert
+        weights scale jllama does not apply; one line naming the key.
+    """
+    p = prefix
+    shared = _get(meta, p + "expert_shared_count", source, int, 0)
+    if shared:
+        raise CheckpointError(f"{source}: {p}expert_shared_count={shared} is not supported "
+                              "(Qwen3-MoE has no shared expert)")
+    scale = _get(meta, p + "expert_weights_scale", source, float, 0.0)
+    if scale not in (0.0, 1.0):
+        raise CheckpointError(f"{source}: {p}expert_weights_scale={scale} is not supported "
+                              "(only 0 or 1: the routed weights unscaled)")
+    return {
+        "n_experts": _get(meta, p + "expert_count", source, int),
+        "n_experts_per_tok": _get(meta, p + "expert_used_count", source, int),
+        "norm_topk_prob": True,
+        "hidden_dim": _get(meta, p + "expert_feed_forward_length", source, int),
+    }
 
 
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")

@@ -20,6 +20,10 @@ Tensor names (transformers' LlamaForCausalLM state dict) and where they go:
   model.layers.N.self_attn.{q,k,v}_proj.bias -> bq/bk/bv[N] (Qwen2ForCausalLM; q, k permuted)
   model.layers.N.self_attn.{q,k}_norm.weight -> q_norm/k_norm[N] (Qwen3ForCausalLM; permuted
     within the head as the rows are)
+  model.layers.N.mlp.gate.weight -> ffn_gate_inp[N] (Qwen3MoeForCausalLM's router, float32)
+  model.layers.N.mlp.experts.E.{gate,down,up}_proj.weight -> w1/w2/w3[N, E] (Qwen3-MoE, as
+    save_pretrained writes them; or transformers 5's fused mlp.experts.gate_up_proj
+    [E, 2 * hidden, dim] (gate rows first) and mlp.experts.down_proj [E, dim, hidden])
   model.layers.N.self_attn.rotary_emb.inv_freq (old transformers' buffer) is ignored: the
     frequencies come from config.json.
 A torch Linear stores its weight as [out_features, in_features], llama2.c's out x in, so the
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +73,7 @@ from jllama.formats.safetensors_file import (  # noqa: F401 (re-exported)
 )
 from jllama.formats.tensor_names import TensorNames
 from jllama.model.rope import rope_row_permutation  # noqa: F401 (re-exported; tests patch it)
-from jllama.model.weights import VECTORS, TransformerWeights, expected_shapes
+from jllama.model.weights import FLOAT32_FIELDS, TransformerWeights, expected_shapes
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -96,12 +101,33 @@ TENSOR_NAMES = TensorNames(
         "self_attn.v_proj.bias": "bv",
         "self_attn.q_norm": "q_norm",
         "self_attn.k_norm": "k_norm",
+        "mlp.gate": "ffn_gate_inp",
     },
     layer_prefix="model.layers.",
 )
 """transformers' LlamaForCausalLM state-dict names (and Qwen2's biases, Qwen3's q/k norms;
 Mistral's are Llama's)."""
 _IGNORED_SUFFIX = ".self_attn.rotary_emb.inv_freq"
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?"
+                     r"(gate_proj|up_proj|down_proj|gate_up_proj)(?:\.weight)?")
+_EXPERT_FIELDS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _expert_target(name: str, config) -> tuple[str, int, int | None, str] | None:
+    """(field, layer, expert or None for a fused tensor of all experts, part) of a Qwen3-MoE
+    expert tensor's name, or None when `name` is not one (or the config has no experts)."""
+    m = _EXPERT.fullmatch(name)
+    if m is None or not config.moe:
+        return None
+    layer, expert, part = int(m[1]), m[2], m[3]
+    fused = expert is None
+    if fused != (part == "gate_up_proj" or name.endswith("experts.down_proj")):
+        return None
+    if layer >= config.n_layers or (not fused and int(expert) >= config.n_experts):
+        return None
+    field = "w1" if part == "gate_up_proj" else _EXPERT_FIELDS[part]
+    return field, layer, None if fused else int(expert), part
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -127,6 +153,49 @@ class HFModel(ModelFile):
     """
 
     dtypes: dict[str, str]
+
+
+def _check_experts(config, experts: dict, source: str) -> set[tuple[str, int]]:
+    """The (field, layer) pairs the expert tensors fill, after checking each tensor's shape
+    and that every layer has every expert's three matrices (per expert, or fused).
+
+    Raises:
+      CheckpointError: a tensor of the wrong shape, or a missing expert matrix (the first
+        one named).
+    """
+    c = config
+    filled = {}
+    for name, (entry, field, layer, expert, part) in experts.items():
+        one = {"w1": (c.hidden_dim, c.dim), "w3": (c.hidden_dim, c.dim),
+               "w2": (c.dim, c.hidden_dim)}[field]
+        if part == "gate_up_proj":
+            one = (2 * c.hidden_dim, c.dim)
+        want = one if expert is not None else (c.n_experts, *one)
+        if tuple(entry.shape) != want:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {list(entry.shape)}, expected {list(want)}"
+            )
+        fields = ("w1", "w3") if part == "gate_up_proj" else (field,)
+        for f in fields:
+            for e in range(c.n_experts) if expert is None else (expert,):
+                filled[(f, layer, e)] = name
+    for layer in range(c.n_layers):
+        for e in range(c.n_experts):
+            for field, part in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+                if (field, layer, e) not in filled:
+                    raise CheckpointError(
+                        f"{source}: missing tensor model.layers.{layer}.mlp.experts.{e}.{part}"
+                        ".weight"
+                    )
+    return {(field, layer) for field in ("w1", "w2", "w3") for layer in range(c.n_layers)}
+
+
+def _expert_parts(field: str, part: str, values: np.ndarray, hidden_dim: int):
+    """(field, values) of an expert tensor: transformers 5's fused gate_up_proj split into
+    gate (w1: its first hidden_dim rows) and up (w3), any other tensor as it is."""
+    if part == "gate_up_proj":
+        return [("w1", values[..., :hidden_dim, :]), ("w3", values[..., hidden_dim:, :])]
+    return [(field, values)]
 
 
 def _output_dtype(dtype: Any) -> np.dtype | None:
@@ -199,8 +268,13 @@ def read_hf(
 
     found = find_tensors(folder, source)
     targets: dict[str, tuple[SafetensorsEntry, str, int | None]] = {}
+    experts: dict[str, tuple[SafetensorsEntry, str, int, int | None, str]] = {}
     for name, entry in found.items():
         if name.endswith(_IGNORED_SUFFIX):
+            continue
+        expert = _expert_target(name, config)
+        if expert is not None:
+            experts[name] = (entry, *expert)
             continue
         target = TENSOR_NAMES.target(name, config.n_layers)
         if target is None:
@@ -223,9 +297,10 @@ def read_hf(
 
     if "lm_head.weight" not in targets and not config.shared_weights:
         config = dataclasses.replace(config, shared_weights=True)
-    TENSOR_NAMES.check_complete(
-        config, {(field, layer) for _, field, layer in targets.values()}, source
-    )
+    present = {(field, layer) for _, field, layer in targets.values()}
+    if config.moe:
+        present |= _check_experts(config, experts, source)
+    TENSOR_NAMES.check_complete(config, present, source)
     shapes = expected_shapes(config)
     stored = {}
     for name, (entry, field, layer) in targets.items():  # every check before any data is read
@@ -237,8 +312,9 @@ def read_hf(
             )
     if out_dtype is None:
         matrix_dtypes = {
-            stored[name] for name, (_, field, _) in targets.items() if field not in VECTORS
-        }
+            stored[name] for name, (_, field, _) in targets.items()
+            if field not in FLOAT32_FIELDS
+        } | {entry_dtype(entry, source) for entry, *_ in experts.values()}
         bf16 = np.dtype(ml_dtypes.bfloat16)
         out_dtype = bf16 if matrix_dtypes == {bf16} else np.dtype(np.float32)
 
@@ -250,7 +326,7 @@ def read_hf(
     permutations = {"wq": q_perm, "bq": q_perm, "wk": k_perm, "bk": k_perm,
                     "q_norm": head_perm, "k_norm": head_perm}
     for entry, field, layer in targets.values():
-        field_dtype = np.dtype(np.float32) if field in VECTORS else out_dtype
+        field_dtype = np.dtype(np.float32) if field in FLOAT32_FIELDS else out_dtype
         values = np.asarray(mapped.array(entry))  # a plain ndarray view, not np.memmap
         if field in permutations:  # rows (or a vector's entries) for adjacent-pair RoPE
             values = values[permutations[field]]
@@ -263,6 +339,13 @@ def read_hf(
             if field not in arrays:
                 arrays[field] = np.empty(shapes[field], field_dtype)
             arrays[field][layer] = values
+    for entry, field, layer, expert, part in experts.values():
+        values = np.asarray(mapped.array(entry))
+        for field, part_values in _expert_parts(field, part, values, config.hidden_dim):
+            if field not in arrays:
+                arrays[field] = np.empty(shapes[field], out_dtype)
+            index = (layer,) if expert is None else (layer, expert)
+            arrays[field][index] = part_values
 
     if config.shared_weights:
         arrays["wcls"] = arrays["token_embedding_table"]

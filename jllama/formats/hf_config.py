@@ -3,7 +3,12 @@
 The families (`ARCHITECTURES`, each an `architectures` entry with its `model_type`):
   LlamaForCausalLM / "llama", MistralForCausalLM / "mistral" (Llama's block; a sliding
   window), Qwen2ForCausalLM / "qwen2" (Qwen2, Qwen2.5: q/k/v biases, always),
-  Qwen3ForCausalLM / "qwen3" (per-head q/k RMSNorm before RoPE; head_dim of its own).
+  Qwen3ForCausalLM / "qwen3" (per-head q/k RMSNorm before RoPE; head_dim of its own),
+  Qwen3MoeForCausalLM / "qwen3_moe" (Qwen3's attention, a Mixture-of-Experts FFN in every
+  layer: num_experts (transformers 5 writes num_local_experts) -> n_experts,
+  num_experts_per_tok -> n_experts_per_tok, moe_intermediate_size -> hidden_dim (one
+  expert's width), norm_topk_prob (default true); decoder_sparse_step must be 1 and
+  mlp_only_layers empty, i.e. no dense layers among the MoE ones).
 Any other architecture is refused in one line naming it.
 
 config.json keys read (transformers' `LlamaConfig`; defaults are LlamaConfig's):
@@ -54,6 +59,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 """The `architectures` entries jllama reads, each with its `model_type`."""
 
@@ -147,7 +153,7 @@ def _sliding_window(cfg: Mapping[str, Any], source: str, kind: str) -> int:
     types = cfg.get("layer_types")
     if isinstance(types, list):
         used = "sliding_attention" in types
-    elif kind in ("qwen2", "qwen3"):
+    elif kind in ("qwen2", "qwen3", "qwen3_moe"):
         used = _get(cfg, "use_sliding_window", source, bool, False)
     else:
         used = kind == "mistral"
@@ -155,6 +161,32 @@ def _sliding_window(cfg: Mapping[str, Any], source: str, kind: str) -> int:
     if window < 0:
         raise ConfigError(f"{source}: config.json sliding_window={window} is negative")
     return window
+
+
+def _experts(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A Qwen3-MoE config.json's expert settings as `ModelConfig` keyword arguments (and
+    hidden_dim, one expert's width); rules in the module docstring.
+
+    Raises:
+      CheckpointError: a key missing or of the wrong type, or dense layers among the MoE
+        ones (decoder_sparse_step != 1, mlp_only_layers not empty), one line.
+    """
+    key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    step = _get(cfg, "decoder_sparse_step", source, int, 1)
+    dense = _get(cfg, "mlp_only_layers", source, list, [])
+    if step != 1 or dense:
+        raise CheckpointError(
+            f"{source}: decoder_sparse_step={step}, mlp_only_layers={dense} is not supported "
+            "(jllama's qwen3_moe has a MoE FFN in every layer: step 1, no dense layers)"
+        )
+    if _get(cfg, "shared_expert_intermediate_size", source, int, 0):
+        raise CheckpointError(f"{source}: a shared expert is not supported (Qwen3-MoE has none)")
+    return {
+        "n_experts": _get(cfg, key, source, int),
+        "n_experts_per_tok": _get(cfg, "num_experts_per_tok", source, int),
+        "norm_topk_prob": _get(cfg, "norm_topk_prob", source, bool, True),
+        "hidden_dim": _get(cfg, "moe_intermediate_size", source, int),
+    }
 
 
 def _rope_settings(
@@ -238,6 +270,7 @@ def config_from_hf(
     if not isinstance(cfg, Mapping):
         raise CheckpointError(f"{source}: config.json is not a JSON object")
     kind = family(cfg, source)
+    experts = _experts(cfg, source) if kind == "qwen3_moe" else {}
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key) and not (kind == "qwen2" and key == "attention_bias"):
             raise CheckpointError(
@@ -260,7 +293,8 @@ def config_from_hf(
         check_norm_eps(norm_eps, "config.json rms_norm_eps")
         return ModelConfig(
             dim=_get(cfg, "hidden_size", source, int),
-            hidden_dim=_get(cfg, "intermediate_size", source, int),
+            hidden_dim=experts.pop("hidden_dim", None) or _get(cfg, "intermediate_size", source,
+                                                               int),
             n_layers=_get(cfg, "num_hidden_layers", source, int),
             n_heads=n_heads,
             n_kv_heads=_get(cfg, "num_key_value_heads", source, int, n_heads),
@@ -272,8 +306,9 @@ def config_from_hf(
             head_dim=_get(cfg, "head_dim", source, int, 0),
             rope_scaling=rope_scaling,
             qkv_bias=kind == "qwen2",
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
             sliding_window=window,
+            **experts,
         )
     except ConfigError as e:
         hint = " (cap the context with --seq_len)" if "seq_len" in str(e) and not seq_len else ""

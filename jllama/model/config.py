@@ -22,6 +22,7 @@ MAX_DIM = 1 << 16
 MAX_LAYERS = 1 << 10
 MAX_VOCAB = 1 << 22
 MAX_SEQ_LEN = 1 << 22
+MAX_EXPERTS = 1 << 12
 
 
 ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
@@ -239,6 +240,13 @@ class ModelConfig:
         4096); 0 for none. jllama's attention is full causal attention, which is the same
         while every position is within the window: `seq_len` must be at most
         `sliding_window`, and the readers cap the context there.
+      n_experts: a Mixture-of-Experts FFN with this many experts per layer (Qwen3-MoE:
+        `ffn_gate_inp` routes each token to `n_experts_per_tok` of them; `hidden_dim` is then
+        one expert's width, Hugging Face's moe_intermediate_size); 0 for a dense SwiGLU FFN.
+      n_experts_per_tok: experts each token is routed to (top-k of the router's softmax);
+        0 when n_experts is 0.
+      norm_topk_prob: the k routed experts' softmax weights are divided by their sum
+        (Qwen3-MoE's norm_topk_prob; llama.cpp always does for qwen3moe); MoE only.
 
     Raises:
       ConfigError: a size that is non-positive or absurdly large, or sizes that do not fit
@@ -260,6 +268,9 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int = 0  # 0: none
+    n_experts: int = 0  # 0: a dense FFN
+    n_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         limits = {
@@ -306,6 +317,7 @@ class ModelConfig:
                 f"seq_len={self.seq_len} is past the model's sliding_window={window}: jllama's "
                 f"attention has no sliding window (a context of at most {window} is exact)"
             )
+        self._check_experts()
         check_norm_eps(self.norm_eps)
         check_rope_theta(self.rope_theta)
         scaling = self.rope_scaling
@@ -316,6 +328,28 @@ class ModelConfig:
                     f"head_dim={self.head_dim} rotates {self.head_dim // 2} pairs"
                 )
         self._check_rope_angles()
+
+    def _check_experts(self) -> None:
+        """Raise ConfigError unless the MoE fields fit: both 0 (dense), or 0 < n_experts <=
+        MAX_EXPERTS and 0 < n_experts_per_tok <= n_experts."""
+        e, k = self.n_experts, self.n_experts_per_tok
+        for name, value in (("n_experts", e), ("n_experts_per_tok", k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"norm_topk_prob must be True or False, got {self.norm_topk_prob!r}")
+        if e == 0 and k == 0:
+            return
+        if not 0 < e <= MAX_EXPERTS:
+            raise ConfigError(f"n_experts={e} is out of range (1..{MAX_EXPERTS}) with "
+                              f"n_experts_per_tok={k}")
+        if not 0 < k <= e:
+            raise ConfigError(f"n_experts_per_tok={k} must be in 1..n_experts={e}")
+
+    @property
+    def moe(self) -> bool:
+        """Whether the FFN is a Mixture of Experts (`n_experts` > 0)."""
+        return self.n_experts > 0
 
     def _check_rope_angles(self) -> None:
         """Raise ConfigError unless every RoPE inverse frequency, and its angle at the last
@@ -359,12 +393,13 @@ class ModelConfig:
         return 2 * self.n_layers * self.n_kv_heads * self.seq_len * self.head_dim * itemsize
 
     def n_params(self) -> int:
-        """Number of parameters (a shared classifier counted once)."""
+        """Number of parameters (a shared classifier counted once; every expert counted)."""
         per_layer = (
             2 * self.dim  # rms_att_weight, rms_ffn_weight
             + self.q_dim * self.dim * 2  # wq, wo
             + self.kv_dim * self.dim * 2  # wk, wv
-            + self.hidden_dim * self.dim * 3  # w1, w2, w3
+            + self.hidden_dim * self.dim * 3 * max(self.n_experts, 1)  # w1, w2, w3 (each expert's)
+            + self.n_experts * self.dim  # ffn_gate_inp
             + (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0)  # bq, bk, bv
             + (2 * self.head_dim if self.qk_norm else 0)  # q_norm, k_norm
         )

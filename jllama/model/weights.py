@@ -50,6 +50,11 @@ class TransformerWeights:
       q_norm, k_norm: [L, head_dim]     the per-head RMSNorm gains of queries and keys when the
                                         config's qk_norm is True (Qwen3), else None; in the
                                         order of a head's rows (permuted with wq / wk)
+      ffn_gate_inp: f32[L, n_experts, dim]  the MoE router (Qwen3-MoE's mlp.gate) when the
+                                        config's n_experts > 0, else None; then w1, w3 are
+                                        [L, n_experts, hidden_dim, dim] and w2 is
+                                        [L, n_experts, dim, hidden_dim]: expert e's matrices
+                                        at [l, e] (hidden_dim = one expert's width)
     """
 
     token_embedding_table: np.ndarray
@@ -69,9 +74,10 @@ class TransformerWeights:
     bv: np.ndarray | None = None
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
+    ffn_gate_inp: np.ndarray | None = None
 
 
-OPTIONAL_FIELDS = ("bq", "bk", "bv", "q_norm", "k_norm")
+OPTIONAL_FIELDS = ("bq", "bk", "bv", "q_norm", "k_norm", "ffn_gate_inp")
 """`TransformerWeights` fields a config may leave None (llama2.c models have none of them)."""
 
 GAINS = ("rms_att_weight", "rms_ffn_weight", "rms_final_weight", "q_norm", "k_norm")
@@ -80,11 +86,16 @@ GAINS = ("rms_att_weight", "rms_ffn_weight", "rms_final_weight", "q_norm", "k_no
 VECTORS = GAINS + ("bq", "bk", "bv")
 """The fields that are vectors per layer (gains and biases): float32, never quantized."""
 
+FLOAT32_FIELDS = VECTORS + ("ffn_gate_inp",)
+"""The fields held as float32 whatever the matrices' dtype: the vectors and the MoE router
+(llama-quantize keeps ffn_gate_inp in F32 too; the routing is decided by its logits)."""
+
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every `TransformerWeights` field for `config`, in llama2.c file order."""
     c = config
     L = c.n_layers
+    E = (c.n_experts,) if c.moe else ()  # the experts' axis of w1, w2, w3
     return {
         "token_embedding_table": (c.vocab_size, c.dim),
         "rms_att_weight": (L, c.dim),
@@ -93,13 +104,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "wv": (L, c.kv_dim, c.dim),
         "wo": (L, c.dim, c.q_dim),
         "rms_ffn_weight": (L, c.dim),
-        "w1": (L, c.hidden_dim, c.dim),
-        "w2": (L, c.dim, c.hidden_dim),
-        "w3": (L, c.hidden_dim, c.dim),
+        "w1": (L, *E, c.hidden_dim, c.dim),
+        "w2": (L, *E, c.dim, c.hidden_dim),
+        "w3": (L, *E, c.hidden_dim, c.dim),
         "rms_final_weight": (c.dim,),
         "wcls": (c.vocab_size, c.dim),
         **({"bq": (L, c.q_dim), "bk": (L, c.kv_dim), "bv": (L, c.kv_dim)} if c.qkv_bias else {}),
         **({"q_norm": (L, c.head_dim), "k_norm": (L, c.head_dim)} if c.qk_norm else {}),
+        **({"ffn_gate_inp": (L, c.n_experts, c.dim)} if c.moe else {}),
     }
 
 
@@ -290,6 +302,9 @@ class LayerWeights:
       w3: [hidden_dim, dim]
       bqkv: f32[q_dim + 2 * kv_dim]     bq, bk, bv end to end, wqkv's row order (None: no bias)
       q_norm, k_norm: f32[head_dim]     per-head q / k RMSNorm gains (None: no q/k norm)
+      gate_inp: f32[n_experts, dim]     the MoE router (None: a dense FFN); then w1, w3 are
+                                        [n_experts, hidden_dim, dim], w2 [n_experts, dim,
+                                        hidden_dim] (the MoE step reads them expert by expert)
     """
 
     rms_att_weight: np.ndarray
@@ -302,6 +317,7 @@ class LayerWeights:
     bqkv: np.ndarray | None = None
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
+    gate_inp: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,6 +382,8 @@ def layer_vectors(weights: TransformerWeights, layer: int) -> dict[str, np.ndarr
     if weights.q_norm is not None:
         out["q_norm"] = np.asarray(weights.q_norm[layer], np.float32)
         out["k_norm"] = np.asarray(weights.k_norm[layer], np.float32)
+    if weights.ffn_gate_inp is not None:
+        out["gate_inp"] = np.asarray(weights.ffn_gate_inp[layer], np.float32)
     return out
 
 
