@@ -211,7 +211,7 @@ def test_other_architectures_are_refused_in_one_line(hf_models, gguf_files, tmp_
         edit_config(folder, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
     from jllama.formats.gguf_config import config_from_metadata
 
-    for arch in ("gemma3", "phi3", "qwen3moe"):
+    for arch in ("gemma3", "phi3", "qwen2moe"):
         with pytest.raises(CheckpointError, match=f"architecture '{arch}' is not supported"):
             config_from_metadata({"general.architecture": arch}, "m.gguf")
 

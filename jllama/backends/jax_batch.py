@@ -8,9 +8,16 @@ read each weight once for all B rows), then `classifier_batch`. Row b's logits h
 test_batch_decode.py), whatever B is. Batches are padded up to one of `graphs.batch.
 BATCH_SIZES` with rows the kernels skip, so the programs compile once per size and cache
 window (the largest `graphs.attention_blocks` among the sequences) and never as requests come
-and go. Otherwise (XLA's products, split over devices, a KV cache type the kernels do not
-read: `jllama.graphs.cache_rows.kernel_reads`) the step is `forward` per sequence on its
-caches: the same logits, no faster.
+and go.
+
+With XLA's products (matvec="xla": any platform, one device or split over a mesh as the
+single step is) the step is one program, `graphs.decode_batch_step` (all layers and the
+classifier for the B rows: a matrix product per weight, each row's attention over its own
+blocks), then `graphs.write_caches` per sequence (its blocks donated, written in place).
+Padded and compiled as above; a row's logits equal `forward`'s up to float rounding, not bit
+for bit (tests/test_batch_xla.py). Otherwise (the kernels' products with weights
+`matvec_batch` does not take) the step is `forward` per sequence on its caches: the same
+logits, no faster.
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ from jllama.graphs.batch import BATCH_SIZES, classifier_batch, layer_batch
 from jllama.model.ggml_matrix import embedding_rows
 
 
+XLA_BLOCK_READS = 256
+"""The most (row, cache block) pairs one `graphs.decode_batch_step` call reads per layer: its
+program holds one attention per row over its K blocks, unrolled, so a batch at long windows
+runs in parts of fewer rows (32 rows at K <= 8, 8 rows at K = 32: SmolLM2's 8192 positions)."""
+
+
 def batch_size(b: int) -> int:
     """The compiled batch size a batch of b (1 <= b <= max(BATCH_SIZES)) runs in."""
     return next(size for size in BATCH_SIZES if size >= b)
@@ -41,9 +54,9 @@ class BatchSteps(JaxState):
 
     def batch_kernels(self) -> bool:
         """Whether `decode_batch` runs the batched programs (else `forward` per sequence)."""
-        self._prepared("decode_batch")
-        if self.matvec != "kernel" or self.tensor_parallel is not None:
-            return False
+        config = self._prepared("decode_batch")
+        if self.matvec != "kernel" or self.tensor_parallel is not None or config.moe:
+            return False  # a MoE model: `forward` per sequence (no batched MoE programs yet)
         if not kernel_reads(*self._zero_blocks):  # a KV cache type the kernel does not read
             return False
         layer = self.layers[0]
@@ -72,12 +85,63 @@ class BatchSteps(JaxState):
         if len({id(c[0]) for c in caches}) != len(caches):
             raise ValueError("decode_batch: a sequence's caches given twice")
         pairs = [check_token_pos(config, t, p) for t, p in zip(tokens, positions, strict=True)]
-        if not self.batch_kernels():
+        if self.batch_kernels():
+            top, part = BATCH_SIZES[-1], self._decode_part
+        elif self.batch_xla():
+            k = max(graphs.attention_blocks(config.seq_len, p) for _, p in pairs)
+            top = max([s for s in BATCH_SIZES if s * k <= XLA_BLOCK_READS] or [1])
+            part = self._decode_xla_part
+        else:
             return self._decode_each(pairs, caches)
-        top = BATCH_SIZES[-1]
-        rows = [self._decode_part(pairs[i:i + top], caches[i:i + top])
-                for i in range(0, len(pairs), top)]
+        rows = [part(pairs[i:i + top], caches[i:i + top]) for i in range(0, len(pairs), top)]
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+    def batch_xla(self) -> bool:
+        """Whether `decode_batch` runs `graphs.decode_batch_step` (XLA's products: one
+        program for the batch), where `batch_kernels` is False; never for a
+        Mixture-of-Experts model (`forward` per sequence)."""
+        config = self._prepared("decode_batch")
+        return self.matvec == "xla" and not config.moe
+
+    def _decode_xla_part(self, pairs, caches) -> np.ndarray:
+        """At most max(BATCH_SIZES) sequences through `graphs.decode_batch_step`, then each
+        sequence's new keys and values written by `graphs.write_caches` (its blocks donated)."""
+        config = self.config
+        live = len(pairs)
+        size = batch_size(live)
+        bl = self.block_length
+        pos = np.zeros(size, np.int32)
+        pos[:live] = [p for _, p in pairs]
+        k = max(graphs.attention_blocks(config.seq_len, int(p)) for p in pos[:live])
+        x = np.zeros((size, config.dim), np.float32)
+        x[:live] = embedding_rows(self.token_embedding_table,
+                                  np.array([t for t, _ in pairs], np.int64))
+        cur = [int(p) // bl for p in pos[:live]]
+        key_zero, value_zero = self._zero_blocks
+
+        def rows(side: int, zero) -> tuple:
+            """Per layer, per row, its K blocks: its own up to its current one, then zeros."""
+            return tuple(
+                tuple(tuple(c[side][l][j] if j <= cur[b] else zero for j in range(k))
+                      for b, c in enumerate(caches))
+                + ((zero,) * k,) * (size - live)
+                for l in range(len(self.layers))
+            )
+
+        programs = self._programs
+        logits, new_k, new_v = programs.decode_batch_step(
+            config, self._put(x), self._put(pos), self.layers, rows(0, key_zero),
+            rows(1, value_zero), self.inv_freq, self.rms_final_weight, self.wcls,
+            shards=self._shards,
+        )
+        for b, (keys, values) in enumerate(caches):
+            written_k, written_v = programs.write_caches(
+                config, tuple(kc[cur[b]] for kc in keys), tuple(vc[cur[b]] for vc in values),
+                new_k[b], new_v[b], self._put(np.int32(pos[b])),
+            )
+            for kc, vc, key, value in zip(keys, values, written_k, written_v, strict=True):
+                kc[cur[b]], vc[cur[b]] = key, value
+        return np.asarray(logits)[:live]
 
     def _decode_each(self, pairs, caches) -> np.ndarray:
         """The step as `forward` per sequence on its caches."""

@@ -19,6 +19,7 @@ decode step, `forward`), `jax_prefill` (batched prefill), `jax_loop` (the device
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -35,7 +36,7 @@ from jllama.backends.jax_loop import LOOP_CHUNK, LOOP_STOP_IDS
 from jllama.backends.jax_prefill import PREFILL_CHUNKS
 from jllama.model.config import ModelConfig
 from jllama.graphs.cache_rows import KERNEL_CACHE_DTYPES
-from jllama.errors import BackendError
+from jllama.errors import BackendError, ConfigError
 from jllama.model.ggml_matrix import for_xla, is_ggml
 from jllama.model.packing import pack_in_decode_order, place_weights
 from jllama.model.rope import rope_frequencies
@@ -179,6 +180,8 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
         check_shapes(config, weights)
         for t, flag in zip(self.cache_types, ("cache_type_k", "cache_type_v"), strict=True):
             t.check(config.head_dim, flag)
+        if config.moe:
+            self._check_moe()
         if self.devices > 1:
             self._split_over_devices(config)
         self.config = config
@@ -188,7 +191,9 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
         self.token_embedding_table = weights.token_embedding_table
         self._loop_embedding = None
         tp = self.tensor_parallel
-        if self.matvec == "kernel":  # one CPU device
+        if config.moe:
+            self._place_moe(weights)
+        elif self.matvec == "kernel":  # one CPU device
             # Straight from the file into one buffer in reading order, which device_put aliases
             # rather than copies (`jllama.model.packing.place_weights`); GGML blocks eight rows at a
             # time where the kernels have that path (AVX2 or AVX-512): the same bytes, 2-3x
@@ -226,6 +231,48 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
         # What compile_for need not run again: ("forward", k), ("loop", kind, k) and
         # ("prefill", size, k) for k cache blocks read.
         self._compiled = {("forward", graphs.attention_blocks(config.seq_len, 0))}
+
+    def _check_moe(self) -> None:
+        """Refuse, in one line, what a Mixture-of-Experts model does not run on yet: the
+        fused and loop decode modes and tensor parallelism (the graph mode's step routes each
+        layer's token on the host, `jllama.graphs.moe`).
+
+        Raises:
+          ConfigError: decode is not "graph", or the model is split over devices.
+        """
+        if self.decode != "graph":
+            raise ConfigError(f"decode={self.decode!r} does not run Mixture-of-Experts models "
+                              "yet (n_experts > 0): use decode='graph'")
+        if self.devices > 1:
+            raise ConfigError("tensor parallelism does not run Mixture-of-Experts models yet "
+                              f"(n_experts > 0): use one device, not devices={self.devices}")
+
+    def _place_moe(self, weights: TransformerWeights) -> None:
+        """A Mixture-of-Experts model's weights on the device: the graph layout (wqkv
+        stacked) with each layer's w1, w2 and w3 a tuple of one matrix per expert (views of the
+        stacked tensor: GGML blocks as stored for the kernels; for XLA's products converted as
+        `_place_converted` converts, expert by expert), so a step reads only the routed
+        experts' arrays (`jllama.graphs.moe`)."""
+        host = to_graph_weights(weights)
+        n = self.config.n_experts
+        kernel = self.matvec == "kernel"
+
+        def held(m):
+            return for_xla(m) if is_ggml(m) and not kernel else m
+
+        layers = tuple(
+            dataclasses.replace(
+                layer, wqkv=held(layer.wqkv), wo=held(layer.wo),
+                **{name: tuple(held(getattr(layer, name)[e]) for e in range(n))
+                   for name in ("w1", "w2", "w3")},
+            )
+            for layer in host.layers
+        )
+        wcls = held(host.wcls)
+        self._host_wcls = wcls
+        self.layers, self.rms_final_weight, self.wcls = jax.device_put(
+            (layers, host.rms_final_weight, wcls), self.device
+        )
 
     def _place_converted(self, weights: TransformerWeights) -> None:
         """The weights for XLA's products (on any platform, or split over devices): the graph

@@ -112,9 +112,13 @@ class PrefillSteps(DecodeStep):
     def _prefill_plan(self, start_pos: int, n: int) -> Iterator[tuple[int, int, int]]:
         """(pos, size, real) of each step of a prefill of n tokens from start_pos: a chunk of
         `size` tokens whose first `real` are the prompt's (the rest `PAD_TOKEN`), or one token
-        through `forward` when size is 0 (real 1). A chunk never crosses a cache block boundary
+        through `forward` when size is 0 (real 1; every token of a Mixture-of-Experts model,
+        whose layers have no chunk programs yet). A chunk never crosses a cache block boundary
         (it writes into one block) nor the context's end."""
         pos, end = start_pos, start_pos + n
+        if self.config.moe:  # no chunk programs for MoE layers yet: token by token
+            yield from ((p, 0, 1) for p in range(start_pos, end))
+            return
         smallest = PREFILL_CHUNKS[-1]
         while pos < end:
             room = min(end - pos, self.block_length - pos % self.block_length)

@@ -1,7 +1,8 @@
 """The jax backend's decode step: one token through the model, logits back to the host.
 
 `graph` mode: for each layer the `qkv`, `attention` and `block` programs with that layer's
-arrays, then `classifier`; `fused` mode: `decode_step` (all layers and the classifier) then
+arrays (a Mixture-of-Experts layer: `qkv`, `attention`, then `jllama.graphs.moe`'s router
+and its routed experts), then `classifier`; `fused` mode: `decode_step` (all layers and the classifier) then
 `write_caches` (`jllama.graphs.fused`). The `loop` mode's `forward` is the graph mode's.
 """
 
@@ -12,6 +13,8 @@ import numpy as np
 
 from jllama import graphs
 from jllama.backends.base import check_token_pos
+from jllama.backends.numpy_ref import route
+from jllama.graphs import moe
 from jllama.backends.jax_state import JaxState
 from jllama.model.ggml_matrix import embedding_rows
 
@@ -86,9 +89,27 @@ class DecodeStep(JaxState):
             att = programs.attention(
                 config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec
             )
+            if layer.gate_inp is not None:  # a Mixture-of-Experts FFN
+                x = self._moe_block(x, att, layer)
+                continue
             x = programs.block(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3,
                 matvec=self.matvec,
             )
         return programs.classifier(config, x, self.rms_final_weight, self.wcls,
                                    matvec=self.matvec)
+
+    def _moe_block(self, x, att, layer):
+        """The rest of a Mixture-of-Experts layer after attention (`jllama.graphs.moe`): the
+        router's logits to the host, `numpy_ref.route`'s top-k there, then the routed experts
+        one by one on the device, each with its own matrices only. x: f32[dim] on the device
+        -> f32[dim] on the device."""
+        config = self.config
+        x, h, logits = moe.moe_router(config, x, att, layer.wo, layer.rms_ffn_weight,
+                                      layer.gate_inp, matvec=self.matvec)
+        experts, weights = route(np.asarray(logits), config.n_experts_per_tok,
+                                 config.norm_topk_prob)
+        for e, weight in sorted(zip(experts.tolist(), weights, strict=True)):
+            x = moe.moe_expert(config, x, h, weight, layer.w1[e], layer.w2[e], layer.w3[e],
+                               matvec=self.matvec)
+        return x

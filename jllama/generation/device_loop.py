@@ -39,7 +39,7 @@ def decode_mode(requested: str, backend, sampling: SamplerConfig | None, padded:
     """The decode mode a generation runs in: `requested` with "auto" resolved.
 
     auto is "loop" where the device loop can sample this generation (a backend with
-    `DeviceLoop`, run.c's sampler, a tokenizer covering every logit, no log-probs wanted:
+    `DeviceLoop` and a model that is not a Mixture of Experts, run.c's sampler, a tokenizer covering every logit, no log-probs wanted:
     loop is the fastest mode on CPU, bench/NOTES.md), else "graph". "loop" asked for where the
     backend has no device loop, or the logits are wanted on the host, runs as "graph".
 
@@ -59,7 +59,8 @@ def decode_mode(requested: str, backend, sampling: SamplerConfig | None, padded:
         raise ValueError(f"decode={requested!r}; known: {', '.join(DECODE_MODES)}")
     if requested in ("graph", "fused"):
         return requested
-    usable = isinstance(backend, DeviceLoop) and sampling is not None and not host_logits
+    usable = (isinstance(backend, DeviceLoop) and sampling is not None and not host_logits
+              and not _mixture_of_experts(backend))
     if requested == "auto":
         return "loop" if usable and not padded and runc_settings_only(sampling) else "graph"
     if not usable:
@@ -75,6 +76,13 @@ def decode_mode(requested: str, backend, sampling: SamplerConfig | None, padded:
             f"(run.c's sampler); got {Sampler.from_config(sampling)!r}"
         )
     return "loop"
+
+
+def _mixture_of_experts(backend) -> bool:
+    """Whether the backend runs a Mixture-of-Experts model, whose layers have no device-loop
+    program yet (their step routes on the host, `jllama.graphs.moe`): such a generation
+    runs as "graph"."""
+    return bool(getattr(getattr(backend, "config", None), "moe", False))
 
 
 def sampling_kind(temperature: float, top_p: float) -> str:

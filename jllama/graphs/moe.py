@@ -1,0 +1,88 @@
+"""The Mixture-of-Experts FFN of a decode step (Qwen3-MoE), in two compiled programs around a
+routing decision on the host.
+
+Per layer and token, after attention:
+
+  1. `moe_router`: `x + wo @ att`, the FFN's RMSNorm `h`, and the router logits
+     `gate_inp @ h` (f32[n_experts]);
+  2. on the host, `jllama.backends.numpy_ref.route`: softmax, top-k, renormalised weights
+     (transformers' `Qwen3MoeSparseMoeBlock`, llama.cpp's `build_moe_ffn`);
+  3. `moe_expert` once per routed expert, with that expert's own matrices (a contiguous
+     slice of the file's 3-D tensor, kept as stored): `x + w2 @ (silu(w1 @ h) * (w3 @ h) *
+     weight)`.
+
+So a token reads the router and its k experts' rows only, whatever n_experts is; every expert
+has the same shapes and types, so `moe_expert` compiles once per layer kind. The routing runs
+on the host because the choice decides which arrays a program is given (the step waits for
+the router's n_experts floats once per layer).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jllama.graphs.ops import matmul, residual_matmul, residual_swiglu_matmul, rmsnorm
+from jllama.model.config import ModelConfig
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
+def moe_router(
+    config: ModelConfig,
+    x: jax.Array,
+    att: jax.Array,
+    wo: jax.Array,
+    rms_ffn_weight: jax.Array,
+    gate_inp: jax.Array,
+    *,
+    matvec: str = "xla",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention output projection and residual, the FFN's RMSNorm and the router.
+
+    Args:
+      config: static.
+      x: f32[dim], the residual stream entering the layer.
+      att: f32[q_dim], the attention output.
+      wo: [dim, q_dim] (any matrix kind `jllama.graphs.ops.matmul` takes);
+      rms_ffn_weight: f32[dim]; gate_inp: f32[n_experts, dim] (out x in).
+      matvec: static, "xla" or "kernel" (`jllama.graphs.ops.matmul`).
+
+    Returns:
+      (x f32[dim] after the attention residual, h f32[dim] = rmsnorm(x), router logits
+      f32[n_experts]).
+    """
+    x = residual_matmul(x, wo, att, matvec)
+    h = rmsnorm(x, rms_ffn_weight, config.norm_eps)
+    return x, h, matmul(gate_inp, h, matvec)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
+def moe_expert(
+    config: ModelConfig,
+    x: jax.Array,
+    h: jax.Array,
+    weight: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    w3: jax.Array,
+    *,
+    matvec: str = "xla",
+) -> jax.Array:
+    """One routed expert's SwiGLU output, weighted, added to the residual stream:
+    `x + w2 @ (silu(w1 @ h) * (w3 @ h) * weight)` (the weight scales the hidden vector, which
+    is the same as scaling the output; on the kernels it rides in the last product's call).
+
+    Args:
+      config: static.
+      x: f32[dim], the residual stream; h: f32[dim], the FFN's normalized input.
+      weight: f32 scalar, the expert's routing weight.
+      w1, w3: [hidden_dim, dim]; w2: [dim, hidden_dim]: the expert's matrices (out x in).
+      matvec: static, "xla" or "kernel".
+
+    Returns:
+      f32[dim].
+    """
+    gate = matmul(w1, h, matvec)
+    up = matmul(w3, h, matvec) * weight
+    return residual_swiglu_matmul(x, w2, gate, up, matvec)
