@@ -243,6 +243,8 @@ def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
         fields["tools"] = tools
         if body.tool_choice is not None:
             fields["tool_choice"] = _tool_choice(body.tool_choice)
+            if body.tool_choice.get("disable_parallel_tool_use"):  # one call at most
+                fields["parallel_tool_calls"] = False
     elif _tool_choice(body.tool_choice) not in (None, "auto", "none"):
         raise bad_field("tool_choice", "needs tools")
     if body.thinking is not None:

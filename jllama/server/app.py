@@ -57,8 +57,8 @@ from jllama.server.request_head import TrailingSlashes, VersionPrefix
 from jllama.server.responses import add_responses_routes
 from jllama.server.schema import ChatCompletionRequest, CompletionRequest, parse_body
 from jllama.server.structured import constraint_field, request_grammar
-from jllama.server.tool_reply import TextReply, ToolReply
-from jllama.server.tools import ChatPlan, plan_chat, template_renders_tools
+from jllama.server.tool_reply import TextReply, tool_reply
+from jllama.server.tools import ChatPlan, call_format, plan_chat, template_renders_tools
 from jllama.server.transport import BODY_TIMEOUT_S, MAX_BODY_BYTES, read_body, stream
 
 RETRY_AFTER_S = 1
@@ -105,6 +105,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     if model.chat_template:
         template = ChatTemplate.for_tokenizer(model.chat_template, tokenizer, source=model.source)
     renders_tools = template is not None and template_renders_tools(template)
+    calls_as = call_format(template)  # how the model writes a call
     parses_reasoning(reasoning_format, None)  # a bad format fails here, not at a request
     server_kwargs = dict(chat_template_kwargs or {})
 
@@ -325,7 +326,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         plan = plan_chat(body.message_dicts(), body.tools, body.tool_choice,
                          body.response_format, renders_tools, body.grammar,
-                         body.structured_outputs)
+                         body.structured_outputs, calls_as, body.parallel_tool_calls)
         kwargs = template_kwargs(server_kwargs, body.chat_template_kwargs)
         ids, thinking = await run_in_threadpool(encode_chat, plan.messages,
                                                 plan.template_tools, kwargs)
@@ -354,7 +355,7 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                 finish_by_reply=plan.offers_tools, cache_prompt=body.cache_prompt)
             for sampler in samplers], body.choices)
         submit_all(choices.jobs)
-        replies = [ToolReply(expect_call=plan.mode in ("required", "named"))
+        replies = [tool_reply(plan.call_format, plan.mode in ("required", "named"))
                    if plan.offers_tools else TextReply() for _ in range(choices.n)]
         if reasoning:
             replies = [ReasoningReply(reply, thinking == "open") for reply in replies]

@@ -43,8 +43,9 @@ class ChatRun:
     Attributes:
       choices: its jobs (`jllama.server.choices.Choices`; these APIs ask for one choice).
       replies: each choice's reader of the generated text (`TextReply`, or `ToolReply` where
-        tools are offered: text or one call; wrapped in a `ReasoningReply` where the think
-        block is read apart, whose deltas then hold `reasoning_content` too).
+        tools are offered: text or one call, `HermesToolReply` for Qwen's format: text or
+        calls; wrapped in a `ReasoningReply` where the think block is read apart, whose deltas
+        then hold `reasoning_content` too).
       prompt_tokens: the rendered prompt's length, tokens.
     """
 

@@ -102,7 +102,8 @@ def answer_grammar(plan: ChatPlan, thinking: str) -> Grammar | None:
     if grammar is None or thinking == "closed":
         return grammar
     if plan.mode == "auto":
-        grammar = call_grammar(plan.tools, "auto", think_apart=True)
+        grammar = call_grammar(plan.tools, "auto", think_apart=True,
+                               call_format=plan.call_format, parallel=plan.parallel)
     return after_thinking(grammar, thinking)
 
 

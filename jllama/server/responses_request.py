@@ -193,6 +193,7 @@ def chat_fields(body: ResponsesRequest) -> dict[str, Any]:
                         ("temperature", body.temperature), ("top_p", body.top_p),
                         ("tools", _tools(body.tools)),
                         ("tool_choice", _tool_choice(body.tool_choice)),
+                        ("parallel_tool_calls", body.parallel_tool_calls),
                         ("response_format", _format(body.text))]:
         if value is not None:
             fields[name] = value

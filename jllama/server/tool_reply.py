@@ -5,6 +5,9 @@ Source: OpenAI API reference, chat completions: the assistant message's `tool_ca
 (`{"id", "type": "function", "function": {"name", "arguments"}}`, arguments a JSON text) with
 `content` null and finish_reason "tool_calls"; streamed, `delta.tool_calls` items with their
 `index`, the first carrying id, type and name, the next ones pieces of `arguments`.
+
+A model with Qwen's (Hermes') template writes its calls as `<tool_call>` blocks, one or more:
+`HermesToolReply` reads them (vLLM's `hermes` tool parser, llama.cpp's Hermes 2 Pro format).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
+
+from jllama.server.tools import HERMES_CLOSE, HERMES_OPEN
 
 
 class TextReply:
@@ -83,7 +88,9 @@ class ToolReply(TextReply):
         return "tool_calls" if self.is_call and reason == "stop" else reason
 
 
-_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "parameters": ')
+def _head(key: str) -> re.Pattern:
+    """A call's JSON up to its arguments' value: `{"name": NAME, "KEY": `."""
+    return re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "' + key + '": ')
 
 
 class ToolCallReader:
@@ -93,9 +100,16 @@ class ToolCallReader:
     `("call", name)` once the name is known, `("arguments", text)` pieces of the parameters
     value. `finish()` returns what is left (a reply cut short before its name: its text as
     content). `is_call` is True once the reply is known to be a call.
+
+    Args:
+      expect_call: the reply is a call from its first character.
+      key: the arguments' key ("parameters" in Llama 3.1's format, "arguments" in Hermes').
+
+    Attributes:
+      rest: the text after the arguments' value (the call's closing "}" on), once it ends.
     """
 
-    def __init__(self, expect_call: bool):
+    def __init__(self, expect_call: bool, key: str = "parameters"):
         self.is_call: bool | None = True if expect_call else None
         self.name: str | None = None
         self.arguments = ""
@@ -105,6 +119,13 @@ class ToolCallReader:
         self._escape = False
         self._started = False
         self._done = False
+        self._head = _head(key)
+        self.rest = ""
+
+    @property
+    def done(self) -> bool:
+        """The arguments' value has ended."""
+        return self._done
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         if self.is_call is None and (self._buffer + text):
@@ -114,7 +135,7 @@ class ToolCallReader:
         self._buffer += text
         events = []
         if self.name is None:
-            head = _HEAD.match(self._buffer)
+            head = self._head.match(self._buffer)
             if head is None:
                 return []
             self.name = json.loads(head.group(1))
@@ -132,6 +153,7 @@ class ToolCallReader:
         anything after it dropped)."""
         for k, ch in enumerate(text):
             if self._done:
+                self.rest += text[k:]
                 return text[:k]
             if self._in_string:
                 if self._escape:
@@ -147,6 +169,7 @@ class ToolCallReader:
             elif ch in "}]":
                 if self._depth == 0:  # the call's own "}" after a scalar value
                     self._done = True
+                    self.rest += text[k:]
                     return text[:k]
                 self._depth -= 1
                 self._done = self._depth == 0
@@ -154,6 +177,7 @@ class ToolCallReader:
                 self._in_string = True
             elif ch in ", \t\r\n" and self._depth == 0 and self._started:
                 self._done = True
+                self.rest += text[k:]
                 return text[:k]
             self._started = True
         return text
@@ -163,6 +187,103 @@ class ToolCallReader:
             self.is_call = False
             return [("content", self._buffer)]
         return []
+
+
+class HermesToolReply(TextReply):
+    """A reply with tools offered to a model that writes Hermes' (Qwen's) format: free text, or
+    one or more `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` blocks joined by
+    whitespace, as `tool_calls` items 0, 1, ... (their arguments streamed as they come).
+
+    Args:
+      expect_call: the grammar makes the reply calls (tool_choice "required" or named).
+    """
+
+    def __init__(self, expect_call: bool):
+        self.is_calls: bool | None = True if expect_call else None
+        self.calls: list[dict] = []
+        """The calls read so far, as `tool_calls` items."""
+        self._reader: ToolCallReader | None = None  # the open call's
+        self._buffer = ""
+        self._closing = False  # after a call's arguments, before its `</tool_call>`
+
+    @property
+    def is_call(self) -> bool:
+        """The reply holds a call whose name has been read."""
+        return bool(self.calls)
+
+    def _call_deltas(self, events: list[tuple[str, str]]) -> list[dict]:
+        out = []
+        for kind, value in events:
+            if kind == "call":
+                self.calls.append({"id": new_call_id(), "type": "function",
+                                   "function": {"name": value, "arguments": ""}})
+                out.append({"tool_calls": [{"index": len(self.calls) - 1,
+                                            "id": self.calls[-1]["id"], "type": "function",
+                                            "function": {"name": value, "arguments": ""}}]})
+            elif kind == "arguments":
+                self.calls[-1]["function"]["arguments"] += value
+                out.append({"tool_calls": [{"index": len(self.calls) - 1,
+                                            "function": {"arguments": value}}]})
+        return out
+
+    def deltas(self, text: str) -> list[dict]:
+        self._buffer += text
+        if self.is_calls is None:
+            tag = HERMES_OPEN.rstrip()  # what "auto"'s text may not start with
+            if not self._buffer.startswith(tag) and tag.startswith(self._buffer):
+                return []  # may still open a block
+            self.is_calls = self._buffer.startswith(tag)
+        if not self.is_calls:
+            out, self._buffer = self._buffer, ""
+            return [{"content": out}] if out else []
+        out: list[dict] = []
+        while self._buffer:
+            if self._closing:
+                end = self._buffer.find(HERMES_CLOSE.lstrip())
+                if end < 0:
+                    break
+                self._buffer = self._buffer[end + len(HERMES_CLOSE.lstrip()):]
+                self._closing = False
+            elif self._reader is None:
+                head = self._buffer.lstrip()
+                if not head.startswith(HERMES_OPEN):
+                    break  # not yet a whole `<tool_call>\\n` (or the end)
+                self._buffer = head[len(HERMES_OPEN):]
+                self._reader = ToolCallReader(True, key="arguments")
+            else:
+                out += self._call_deltas(self._reader.feed(self._buffer))
+                self._buffer = ""
+                if not self._reader.done:
+                    break
+                self._buffer, self._reader, self._closing = self._reader.rest, None, True
+        return out
+
+    def final_deltas(self) -> list[dict]:
+        if self.calls:
+            return []
+        out, self._buffer = self._buffer, ""  # cut short before a name: the text is content
+        if self._reader is not None:
+            out = HERMES_OPEN + "".join(text for _, text in self._reader.finish())
+        return [{"content": out}] if out else []
+
+    def message(self, text: str) -> dict:
+        deltas = self.deltas(text) + self.final_deltas()
+        if not self.calls:
+            return {"role": "assistant",
+                    "content": "".join(d.get("content", "") for d in deltas)}
+        return {"role": "assistant", "content": None,
+                "tool_calls": [json.loads(json.dumps(call)) for call in self.calls]}
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+
+def tool_reply(call_format: str, expect_call: bool) -> TextReply:
+    """The reader of a reply with tools offered, for a model that writes calls in
+    `call_format` (`jllama.server.tools.CALL_FORMATS`)."""
+    if call_format == "hermes":
+        return HermesToolReply(expect_call)
+    return ToolReply(expect_call)
 
 
 def new_call_id() -> str:

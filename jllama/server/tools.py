@@ -22,6 +22,13 @@ name, then passes on the text of the `parameters` value, which becomes `function
 
 Templates that do not render `tools` (ChatML, e.g. SmolLM2's) get `tool_preamble`'s system text
 instead, and past calls written in the same format as their content.
+
+Qwen2.5's and Qwen3's templates (and Hermes 2 Pro's, whose format they took) ask for another
+format, "hermes" in vLLM's and llama.cpp's parser names, chosen where the template writes
+`<tool_call>` (`call_format`): each call a block `<tool_call>\n{"name": NAME, "arguments":
+ARGUMENTS}\n</tool_call>`, blocks joined by "\n" (several calls unless parallel_tool_calls is
+false), read by `jllama.server.tool_reply.HermesToolReply`. Its "auto" is `start: TEXT | calls`,
+TEXT any text that does not start with `<tool_call>`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's nam
 _LAYOUT = {"whitespace_flexible": False, "whitespace_pattern": None,  # None: not the default
            "item_separator": ", ", "key_separator": ": "}
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+CALL_FORMATS = ("llama3", "hermes")
+"""How a model writes a call: Llama 3.1's JSON `{"name", "parameters"}`, or Hermes' (Qwen's)
+`<tool_call>` blocks of `{"name", "arguments"}`."""
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>\n", "\n</tool_call>"
 
 
 def parse_tools(tools: Any) -> list[dict]:
@@ -122,12 +133,19 @@ def parse_tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str |
     return "named", name
 
 
-def _call_schema(tools: list[dict]) -> dict:
+def call_format(template) -> str:
+    """The `CALL_FORMATS` item a `jllama.chat.ChatTemplate` asks for: "hermes" where its
+    source writes `<tool_call>` (Qwen2.5's, Qwen3's, Hermes'), else "llama3"."""
+    source = getattr(template, "source", None) or ""
+    return "hermes" if "<tool_call>" in source else "llama3"
+
+
+def _call_schema(tools: list[dict], key: str = "parameters") -> dict:
     options = [{
         "type": "object",
         "properties": {"name": {"const": t["function"]["name"]},
-                       "parameters": t["function"]["parameters"]},
-        "required": ["name", "parameters"], "additionalProperties": False,
+                       key: t["function"]["parameters"]},
+        "required": ["name", key], "additionalProperties": False,
     } for t in tools]
     return {"anyOf": options, "x-guidance": {**_LAYOUT,
                                              "lenient": not all(t["function"].get("strict")
@@ -135,7 +153,8 @@ def _call_schema(tools: list[dict]) -> dict:
 
 
 def call_grammar(tools: list[dict], mode: str, name: str | None = None, *,
-                 think_apart: bool = False) -> Grammar | None:
+                 think_apart: bool = False, call_format: str = "llama3",
+                 parallel: bool = True) -> Grammar | None:
     """The grammar of the reply for a `parse_tool_choice` result (None for "none").
 
     think_apart: the reply comes after a think block (`jllama.server.reasoning.after_thinking`
@@ -144,6 +163,9 @@ def call_grammar(tools: list[dict], mode: str, name: str | None = None, *,
     whitespace after it are never read as the start of free text, which would take anything
     after them, a call not held to its schema included.
 
+    call_format: a `CALL_FORMATS` item (`call_format`).
+    parallel: "hermes" only: one call or more (False: exactly one, parallel_tool_calls false).
+
     Raises:
       APIError (400, param "tools"): llguidance refuses the combined grammar.
     """
@@ -151,6 +173,8 @@ def call_grammar(tools: list[dict], mode: str, name: str | None = None, *,
         return None
     if mode == "named":
         tools = [t for t in tools if t["function"]["name"] == name]
+    if call_format == "hermes":
+        return _hermes_grammar(tools, mode, think_apart, parallel)
     schema = _call_schema(tools)
     try:
         if mode == "auto":
@@ -160,6 +184,27 @@ def call_grammar(tools: list[dict], mode: str, name: str | None = None, *,
             return Grammar.of("lark", f"start: TEXT | call\nTEXT: {text}\n"
                                       f"call: %json {json.dumps(schema)}\n")
         return Grammar.json_schema(schema)
+    except GrammarError as e:
+        raise APIError(400, f"tools: {e}", param="tools") from None
+
+
+def _hermes_grammar(tools: list[dict], mode: str, think_apart: bool,
+                    parallel: bool) -> Grammar:
+    """`call_grammar` for "hermes": one `<tool_call>` block (or several joined by "\n"), or with
+    "auto" a text that does not start with one (nor, think_apart, with whitespace or
+    `<think>`)."""
+    schema = _call_schema(tools, "arguments")
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    rules = (f"calls: {calls}\n"
+             f"call: {json.dumps(HERMES_OPEN)} %json {json.dumps(schema)} "
+             f"{json.dumps(HERMES_CLOSE)}\n")
+    if mode == "auto":
+        text = "/[^\\s](.|\\n)*/ & ~/<think>(.|\\n)*/" if think_apart else "/(.|\\n)+/"
+        rules = f"start: TEXT | calls\nTEXT: {text} & ~/<tool_call>(.|\\n)*/\n" + rules
+    else:
+        rules = "start: calls\n" + rules
+    try:
+        return Grammar.of("lark", rules)
     except GrammarError as e:
         raise APIError(400, f"tools: {e}", param="tools") from None
 
@@ -261,6 +306,8 @@ class ChatPlan:
       grammar: what the reply must match (response_format's, a call's), or None.
       mode: "none" (no tools offered), "auto", "required" or "named".
       tools: the tools offered (None: none), for `call_grammar` again (`think_apart`).
+      call_format: how the model writes a call (`CALL_FORMATS`).
+      parallel: more than one call allowed (`call_grammar`'s, "hermes" only).
     """
 
     messages: list[dict]
@@ -268,6 +315,8 @@ class ChatPlan:
     grammar: Grammar | None
     mode: str
     tools: list[dict] | None = None
+    call_format: str = "llama3"
+    parallel: bool = True
 
     @property
     def offers_tools(self) -> bool:
@@ -276,9 +325,11 @@ class ChatPlan:
 
 def plan_chat(messages: list[dict], tools: Any, tool_choice: Any, response_format: Any,
               renders_tools: bool, grammar: Any = None,
-              structured_outputs: Any = None) -> ChatPlan:
+              structured_outputs: Any = None, call_format: str = "llama3",
+              parallel_tool_calls: bool | None = None) -> ChatPlan:
     """A chat request's `ChatPlan` from its messages, tools, tool_choice and response_format
-    (or llama.cpp's `grammar`, vLLM's `structured_outputs`: `request_grammar`).
+    (or llama.cpp's `grammar`, vLLM's `structured_outputs`: `request_grammar`), for a model
+    that writes calls in `call_format`.
 
     Raises:
       APIError (400): a bad `tools`, `tool_choice`, `response_format` or `tool_calls` item
@@ -297,8 +348,10 @@ def plan_chat(messages: list[dict], tools: Any, tool_choice: Any, response_forma
         raise APIError(400, f'{field}: not supported with tools and tool_choice "auto" '
                        '(give tool_choice "none", "required" or a function)', param=field)
     grammar = constraint
+    parallel = parallel_tool_calls is not False
     if offered:
         # A reply that must be a call has no content for response_format to shape.
-        grammar = call_grammar(offered, mode, name)
+        grammar = call_grammar(offered, mode, name, call_format=call_format, parallel=parallel)
     return ChatPlan(history(messages, renders_tools, offered),
-                    offered if renders_tools else None, grammar, mode, offered)
+                    offered if renders_tools else None, grammar, mode, offered, call_format,
+                    parallel)
