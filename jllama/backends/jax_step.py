@@ -102,14 +102,16 @@ class DecodeStep(JaxState):
     def _moe_block(self, x, att, layer):
         """The rest of a Mixture-of-Experts layer after attention (`jllama.graphs.moe`): the
         router's logits to the host, `numpy_ref.route`'s top-k there, then the routed experts
-        one by one on the device, each with its own matrices only. x: f32[dim] on the device
+        in one program call on the device, each with its own matrices only. x: f32[dim] on the device
         -> f32[dim] on the device."""
         config = self.config
         x, h, logits = moe.moe_router(config, x, att, layer.wo, layer.rms_ffn_weight,
                                       layer.gate_inp, matvec=self.matvec)
         experts, weights = route(np.asarray(logits), config.n_experts_per_tok,
                                  config.norm_topk_prob)
-        for e, weight in sorted(zip(experts.tolist(), weights, strict=True)):
-            x = moe.moe_expert(config, x, h, weight, layer.w1[e], layer.w2[e], layer.w3[e],
-                               matvec=self.matvec)
-        return x
+        order = np.argsort(experts, kind="stable")  # summed in expert order, as transformers
+        chosen = experts[order].tolist()
+        return moe.moe_experts(config, x, h, weights[order],
+                               tuple(layer.w1[e] for e in chosen),
+                               tuple(layer.w2[e] for e in chosen),
+                               tuple(layer.w3[e] for e in chosen), matvec=self.matvec)

@@ -78,7 +78,8 @@ def _check_representable(
             f"whose readers take head_dim = dim / n_heads = {config.dim / config.n_heads:g} and "
             "size the attention matrices by it"
         )
-    for name, what in (("qkv_bias", "q/k/v biases"), ("qk_norm", "q/k norms")):
+    for name, what in (("qkv_bias", "q/k/v biases"), ("qk_norm", "q/k norms"),
+                       ("moe", "Mixture-of-Experts router and experts")):
         if getattr(config, name):  # not even with force: the model would lose a part
             raise ConfigError(
                 f"{name}=True: a llama2.c version-{version} file has no place for the {what} "

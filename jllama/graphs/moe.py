@@ -7,12 +7,12 @@ Per layer and token, after attention:
      `gate_inp @ h` (f32[n_experts]);
   2. on the host, `jllama.backends.numpy_ref.route`: softmax, top-k, renormalised weights
      (transformers' `Qwen3MoeSparseMoeBlock`, llama.cpp's `build_moe_ffn`);
-  3. `moe_expert` once per routed expert, with that expert's own matrices (a contiguous
-     slice of the file's 3-D tensor, kept as stored): `x + w2 @ (silu(w1 @ h) * (w3 @ h) *
-     weight)`.
+  3. `moe_experts` with the k routed experts' own matrices (each a contiguous slice of the
+     file's 3-D tensor, kept as stored): `x + sum_i w2_i @ (silu(w1_i @ h) * (w3_i @ h) *
+     weight_i)`.
 
 So a token reads the router and its k experts' rows only, whatever n_experts is; every expert
-has the same shapes and types, so `moe_expert` compiles once per layer kind. The routing runs
+has the same shapes and types, so `moe_experts` compiles once per layer kind. The routing runs
 on the host because the choice decides which arrays a program is given (the step waits for
 the router's n_experts floats once per layer).
 """
@@ -58,31 +58,35 @@ def moe_router(
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
-def moe_expert(
+def moe_experts(
     config: ModelConfig,
     x: jax.Array,
     h: jax.Array,
-    weight: jax.Array,
-    w1: jax.Array,
-    w2: jax.Array,
-    w3: jax.Array,
+    weights: jax.Array,
+    w1: tuple,
+    w2: tuple,
+    w3: tuple,
     *,
     matvec: str = "xla",
 ) -> jax.Array:
-    """One routed expert's SwiGLU output, weighted, added to the residual stream:
-    `x + w2 @ (silu(w1 @ h) * (w3 @ h) * weight)` (the weight scales the hidden vector, which
-    is the same as scaling the output; on the kernels it rides in the last product's call).
+    """The routed experts' SwiGLU outputs, weighted, added to the residual stream one after
+    the other: `x + sum_i w2[i] @ (silu(w1[i] @ h) * (w3[i] @ h) * weights[i])` (a weight
+    scales the hidden vector, which is the same as scaling the output; on the kernels it
+    rides in the last product's call). One program call for the k experts.
 
     Args:
       config: static.
       x: f32[dim], the residual stream; h: f32[dim], the FFN's normalized input.
-      weight: f32 scalar, the expert's routing weight.
-      w1, w3: [hidden_dim, dim]; w2: [dim, hidden_dim]: the expert's matrices (out x in).
+      weights: f32[k], the routing weights.
+      w1, w3: k matrices [hidden_dim, dim]; w2: k matrices [dim, hidden_dim]: the routed
+        experts' own (out x in), in the order of `weights`.
       matvec: static, "xla" or "kernel".
 
     Returns:
       f32[dim].
     """
-    gate = matmul(w1, h, matvec)
-    up = matmul(w3, h, matvec) * weight
-    return residual_swiglu_matmul(x, w2, gate, up, matvec)
+    for i in range(len(w1)):
+        gate = matmul(w1[i], h, matvec)
+        up = matmul(w3[i], h, matvec) * weights[i]
+        x = residual_swiglu_matmul(x, w2[i], gate, up, matvec)
+    return x
