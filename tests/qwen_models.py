@@ -60,6 +60,13 @@ MOE_SPEC = Spec("qwen3moe", {
 of width 32 with 2 routed per token (Qwen3-30B-A3B: 128 experts, 8 routed), no shared
 expert. Its GGUF files (tests/data/qwen_tiny/qwen3moe-tiny-*) come from
 tests/data/make_qwen_moe_tiny.py."""
+MOE_KQUANT_SPEC = Spec("qwen3moe-256", {
+    **_COMMON, "hidden_size": 256, "head_dim": 64, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "moe_intermediate_size": 256, "num_experts": 4,
+    "num_experts_per_tok": 2, "norm_topk_prob": True}, seed=16, family="qwen3_moe")
+"""A Qwen3-MoE whose expert rows are 256 long (dim and expert width 256), so that
+llama-quantize's Q4_K_M stores the experts in K-quant blocks
+(tests/data/qwen_tiny/qwen3moe-256-Q4_K_M.gguf; only that file is kept)."""
 TOKENS = [int(t) for t in np.random.default_rng(36).integers(0, BASE, size=24)]
 """The token ids whose logits the oracle holds (a prompt of 24 tokens, run one by one)."""
 

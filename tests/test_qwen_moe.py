@@ -7,8 +7,9 @@ made by transformers (`qwen_models.MOE_SPEC`: 8 experts, 2 routed per token, 2 l
   - the same model converted by llama.cpp's convert_hf_to_gguf.py (architecture qwen3moe,
     experts as 3-D tensors; tests/data/make_qwen_moe_tiny.py made the files): the F32 file's
     logits against transformers' on both backends, dequantized and as stored (the kernels'
-    products and XLA's); and the F32 and llama-quantize Q8_0 files' greedy text, the weights
-    as stored on the kernels, equal to llama.cpp's llama-simple's (moe_llamacpp.json);
+    products and XLA's); and the F32 and llama-quantize Q8_0 files' greedy text (and a
+    Q4_K_M file's, `qwen_models.MOE_KQUANT_SPEC`: experts in K-quant blocks), the weights as
+    stored on the kernels, equal to llama.cpp's llama-simple's (moe_llamacpp.json);
   - a step reads only the routed experts: experts no token routes to set to NaN change
     nothing;
   - the batched step and the verification step (a forward per sequence for MoE) equal
@@ -95,16 +96,22 @@ def test_gguf_logits_match_transformers(f32_gguf):
         assert backend.matvec == matvec
 
 
-@pytest.mark.parametrize("kind", ["F32", "Q8_0"])
-def test_greedy_text_equals_llama_cpps(f32_gguf, kind):
-    """llama.cpp's llama-simple (greedy, 32 tokens) on the F32 file and llama-quantize's Q8_0
-    file, against jllama's argmax decoding of the weights as stored, on the kernels (the
-    experts' Q8_0 blocks as the file stores them): the same text."""
-    path = f32_gguf if kind == "F32" else DATA / "qwen3moe-tiny-Q8_0.gguf"
+@pytest.mark.parametrize("stem", ["qwen3moe-tiny-F32", "qwen3moe-tiny-Q8_0",
+                                  "qwen3moe-256-Q4_K_M"])
+def test_greedy_text_equals_llama_cpps(f32_gguf, stem):
+    """llama.cpp's llama-simple (greedy, 32 tokens) on the F32 file, llama-quantize's Q8_0
+    file and the Q4_K_M file of a MoE with rows of 256 (experts in Q4_K, layer 1's
+    ffn_down_exps in Q6_K), against jllama's argmax decoding of the weights as stored, on
+    the kernels (the experts' blocks as the file stores them): the same bytes."""
+    path = f32_gguf if stem.endswith("F32") else DATA / f"{stem}.gguf"
     model = open_model(path, seq_len=SEQ_LEN)
-    if kind == "Q8_0":
-        assert model.tensor_types["blk.0.ffn_gate_exps.weight"] == "Q8_0"
-        assert model.tensor_types["blk.0.ffn_gate_inp.weight"] == "F32"
+    types = model.tensor_types
+    if stem.endswith("Q8_0"):
+        assert types["blk.0.ffn_gate_exps.weight"] == "Q8_0"
+    if stem.endswith("Q4_K_M"):
+        assert types["blk.0.ffn_gate_exps.weight"] == "Q4_K"
+        assert types["blk.1.ffn_down_exps.weight"] == "Q6_K"
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
     backend = make_backend("jax")
     backend.prepare(model.config, model.weights)
     assert backend.matvec == "kernel"
@@ -117,7 +124,7 @@ def test_greedy_text_equals_llama_cpps(f32_gguf, kind):
         if out[-1] in tok.stop_ids:
             break
         logits = backend.forward(out[-1], len(ids) + i)
-    want = bytes.fromhex(LLAMA_CPP["stdout_hex"][f"qwen3moe-tiny-{kind}"])
+    want = bytes.fromhex(LLAMA_CPP["stdout_hex"][stem])
     # llama-simple prints each token's bytes as they come (a byte-level BPE token can be part
     # of a UTF-8 character), so the bytes are compared, not decoded text.
     text = LLAMA_CPP["prompt"].encode() + b"".join(tok.token_bytes(t) for t in out)

@@ -16,9 +16,12 @@ Steps:
      blk.N.ffn_{gate,up,down}_exps; gzipped as qwen3moe-tiny-F32.gguf.gz (`gzip -n -9`);
   3. `llama-quantize F32 OUT Q8_0 2`: qwen3moe-tiny-Q8_0.gguf (the router ffn_gate_inp stays
      F32, as llama-quantize keeps it);
-  4. transformers' logits for `qwen_models.TOKENS` (one full-sequence forward) in
+  4. `qwen_models.MOE_KQUANT_SPEC` (rows of 256) converted the same way and quantized to
+     Q4_K_M (`llama-quantize F32 OUT Q4_K_M 2`: the experts in Q4_K and Q6_K blocks),
+     kept as qwen3moe-256-Q4_K_M.gguf (its F32 file is not kept);
+  5. transformers' logits for `qwen_models.TOKENS` (one full-sequence forward) in
      moe_oracle.npz; and llama-simple's greedy text (`llama-simple -m FILE -n 32 PROMPT`, its
-     stdout as hex) on the F32 and Q8_0 files in moe_llamacpp.json.
+     stdout as hex) on the F32, Q8_0 and Q4_K_M files in moe_llamacpp.json.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from make_qwen_tiny import _CONVERT, N_PREDICT, PROMPT  # noqa: E402
-from qwen_models import DATA, MOE_SPEC, TOKENS, tokenizer_files  # noqa: E402
+from qwen_models import (  # noqa: E402
+    DATA, MOE_KQUANT_SPEC, MOE_SPEC, TOKENS, tokenizer_files,
+)
 
 STEM = "qwen3moe-tiny"
 
@@ -64,11 +69,21 @@ def main() -> None:
         q8 = DATA / f"{STEM}-Q8_0.gguf"
         subprocess.run([str(args.bin / "llama-quantize"), str(f32), str(q8), "Q8_0", "2"],
                        check=True, capture_output=True)
+        kfolder = Path(tmp) / "qwen3moe-256"
+        save(build(MOE_KQUANT_SPEC), MOE_KQUANT_SPEC, kfolder)
+        tokenizer_files(kfolder, "qwen3")
+        kf32 = Path(tmp) / "qwen3moe-256-F32.gguf"
+        subprocess.run([sys.executable, "-c", _CONVERT, str(args.llama_cpp), str(kfolder),
+                        "--outtype", "f32", "--outfile", str(kf32)], check=True)
+        kquant = DATA / "qwen3moe-256-Q4_K_M.gguf"
+        subprocess.run([str(args.bin / "llama-quantize"), str(kf32), str(kquant), "Q4_K_M",
+                        "2"], check=True, capture_output=True)
         outputs = {}
-        for kind, path in (("F32", f32), ("Q8_0", q8)):
+        for stem, path in ((f"{STEM}-F32", f32), (f"{STEM}-Q8_0", q8),
+                           ("qwen3moe-256-Q4_K_M", kquant)):
             done = subprocess.run([str(args.bin / "llama-simple"), "-m", str(path), "-n",
                                    str(N_PREDICT), PROMPT], check=True, capture_output=True)
-            outputs[f"{STEM}-{kind}"] = done.stdout.hex()
+            outputs[stem] = done.stdout.hex()
     about = (f"llama.cpp's llama-simple -m FILE -n {N_PREDICT} PROMPT on each file (its stdout "
              "as hex: the prompt, the greedy tokens' text, a newline); files made by "
              "tests/data/make_qwen_moe_tiny.py")
