@@ -311,3 +311,33 @@ def test_a_qwen3_gguf(qwen3):
     assert (_joined(pieces, "reasoning"), _joined(pieces, "content")) == match.groups()
     off = ask(chat_template_kwargs={"enable_thinking": False})
     assert off.usage.prompt_tokens == ask().usage.prompt_tokens + 4  # <think>\n\n</think>\n\n
+
+
+def test_reasoning_tokens_in_usage(client):
+    """`usage.completion_tokens_details.reasoning_tokens`: the tokens up to the one that ends
+    `</think>` (told by the reply's logprobs, one item a token), streamed and not; Responses'
+    `output_tokens_details.reasoning_tokens` the same; 0 without a block, all of them for a
+    block the tokens ran out in."""
+    whole = _chat(client, THINK, logprobs=True)
+    tokens = [item.token for item in whole.choices[0].logprobs.content]
+    ends = next(k for k in range(len(tokens)) if "</think>" in "".join(tokens[:k + 1]))
+    assert 0 < ends + 1 < whole.usage.completion_tokens
+    assert whole.usage.completion_tokens_details.reasoning_tokens == ends + 1
+    chunks = list(_chat(client, THINK, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == ends + 1
+    response = client.responses.create(model="m", input=ASK[0]["content"], temperature=0,
+                                       extra_body={"structured_outputs": THINK})
+    assert response.usage.output_tokens_details.reasoning_tokens == ends + 1
+    streamed = list(client.responses.create(model="m", input=ASK[0]["content"], temperature=0,
+                                            stream=True,
+                                            extra_body={"structured_outputs": THINK}))
+    assert streamed[-1].response.usage.output_tokens_details.reasoning_tokens == ends + 1
+
+    off = _chat(client, {"regex": "[a-z]{3,12}"},
+                chat_template_kwargs={"enable_thinking": False}).usage
+    assert off.completion_tokens_details.reasoning_tokens == 0
+    cut = client.chat.completions.create(
+        model="m", messages=ASK, temperature=0, max_tokens=4,
+        extra_body={"structured_outputs": {"regex": "[a-z]{30,40}\n</think>\n\nok"},
+                    "chat_template_kwargs": {"think_open": True}}).usage
+    assert cut.completion_tokens == cut.completion_tokens_details.reasoning_tokens == 4

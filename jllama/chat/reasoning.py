@@ -86,6 +86,7 @@ class ThinkSplitter:
 
     def __init__(self, in_think: bool = False):
         self._state = "think" if in_think else "start"
+        self._opened = in_think
         self._held = ""
         self._reasoned = False  # some reasoning was given out (its leading whitespace gone)
         self.reasoning = ""
@@ -101,6 +102,7 @@ class ThinkSplitter:
                 if head.startswith(THINK_OPEN):
                     self._held = head[len(THINK_OPEN):]
                     self._state = "think"
+                    self._opened = True
                     continue
                 if not head or THINK_OPEN.startswith(head):
                     return out  # whitespace or part of the tag: not known yet
@@ -148,6 +150,11 @@ class ThinkSplitter:
         elif self._state == "think":
             self._emit_reasoning(held.rstrip(), out)
         return out
+
+    @property
+    def opened(self) -> bool:
+        """Whether the reply has a think block (opened by the prompt or by `<think>`)."""
+        return self._opened
 
     @property
     def thinking(self) -> bool:

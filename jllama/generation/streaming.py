@@ -39,11 +39,14 @@ class TokenLogprob:
 
 @dataclasses.dataclass(frozen=True)
 class Text:
-    """Text released to the reader (never any part of a stop string), and the log-probs of the
-    tokens it came from (when asked for)."""
+    """Text released to the reader (never any part of a stop string), the log-probs of the
+    tokens it came from (when asked for), and how many sampled tokens it covers (those whose
+    text it releases: more than one where a character spans tokens, 0 for a tail that only
+    flushes)."""
 
     text: str
     logprobs: list[TokenLogprob]
+    tokens: int = 1
 
 
 class LogitsRecorder:
@@ -114,20 +117,23 @@ class Completion:
         decoder = self._tokenizer.stream_decoder()
         matcher = self._matcher
         pending: list[TokenLogprob] = []
+        held = 0  # sampled tokens whose text is not yet released
         for token in self._tokens:
             if self._cancelled is not None and self._cancelled():
                 self.finish_reason = "cancelled"
                 return
             if not token.sampled:
                 continue
+            held += 1
             if self._logprobs is not None:
                 pending.append(self._logprob(token.prev, token.id))
             text = matcher.push(decoder.push(token.prev, token.id))
             if text or (matcher.stopped and pending):
-                yield Text(text, pending)
-                pending = []
+                yield Text(text, pending, held)
+                pending, held = [], 0
             elif self._each_token and not matcher.stopped:
-                yield Text("", [])
+                yield Text("", [], held)
+                held = 0
             if matcher.stopped:
                 self.finish_reason = "stop"
                 return
@@ -137,7 +143,7 @@ class Completion:
         if not matcher.stopped:
             tail += matcher.flush()
         if tail or pending:
-            yield Text(tail, pending)
+            yield Text(tail, pending, held)
         by_token = self.generation is not None and self.generation.stop_token is not None
         self.finish_reason = "stop" if matcher.stopped or by_token else "length"
 

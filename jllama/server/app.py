@@ -65,6 +65,12 @@ RETRY_AFTER_S = 1
 """The Retry-After a 503 (queue full) carries, seconds."""
 
 
+def reasoning_tokens(replies: list[TextReply]) -> list[int | None]:
+    """Each reply's think-block tokens (None where its block is not read apart)."""
+    return [reply.reasoning_tokens if isinstance(reply, ReasoningReply) else None
+            for reply in replies]
+
+
 def _error_response(error: APIError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
@@ -309,8 +315,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
         return {**top, "choices": [
             choice(index, "".join(texts), completion_logprobs(logprobs, body),
                    done.finish_reason)
-            for index, (texts, logprobs, done) in enumerate(results)
-        ], "usage": usage([done for _, _, done in results])}
+            for index, (texts, logprobs, done, _) in enumerate(results)
+        ], "usage": usage([result[2] for result in results])}
 
     async def chat_prompt(body: ChatCompletionRequest
                           ) -> tuple[ChatPlan, list[int], str]:
@@ -386,7 +392,8 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                         logprobs = chat_logprobs(event.logprobs, body)
                         # A piece of a call's head is held back until the name is whole; its
                         # logprobs still go out, in a chunk with an empty delta.
-                        for delta in reply.deltas(event.text) or ([{}] if logprobs else []):
+                        deltas = reply.deltas(event.text, event.tokens)
+                        for delta in deltas or ([{}] if logprobs else []):
                             yield chunk(index, delta, logprobs, None)
                             logprobs = None
                     else:
@@ -396,15 +403,18 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
                         yield chunk(index, {}, None, finish(index, event))
                 if body.include_usage:
                     yield {**head(ident, "chat.completion.chunk", now), "choices": [],
-                           "usage": usage(dones)}
+                           "usage": usage(dones, reasoning_tokens(replies))}
 
             return stream(events(), choices)
         results = await choices.collect(request)
+        for reply, (texts, _, _, tokens) in zip(replies, results, strict=True):
+            if isinstance(reply, ReasoningReply):
+                reply.count(texts, tokens)
         return {**head(ident, "chat.completion", now), "choices": [{
             "index": index, "message": replies[index].message("".join(texts)),
             "logprobs": chat_logprobs(logprobs, body), "finish_reason": finish(index, done),
-        } for index, (texts, logprobs, done) in enumerate(results)],
-            "usage": usage([done for _, _, done in results])}
+        } for index, (texts, logprobs, done, _) in enumerate(results)],
+            "usage": usage([result[2] for result in results], reasoning_tokens(replies))}
 
     chat = ChatService(model_id, lambda request: read_body(request, max_body_bytes,
                                                            body_timeout_s),

@@ -120,7 +120,8 @@ async def replay(run: ChatRun, builder: Any, events: Events,
     for out in builder.start():
         yield out
     async for _, event in events:
-        deltas = reply.deltas(event.text) if isinstance(event, Text) else reply.final_deltas()
+        deltas = (reply.deltas(event.text, event.tokens) if isinstance(event, Text)
+                  else reply.final_deltas())
         for delta in deltas:
             for out in builder.add(delta):
                 yield out
@@ -131,15 +132,16 @@ async def replay(run: ChatRun, builder: Any, events: Events,
 
 async def collected(run: ChatRun, request: Request, renames: Renames) -> Events:
     """A run that is not streamed, as the events of a stream: its one choice collected, then
-    given as one text and its end (the builders make a whole reply from the events they would
+    given as its text pieces and its end (the builders make a whole reply from the events they would
     have streamed).
 
     Raises:
       APIError: the worker's, with `renames` applied (a grammar's 400 names chat's field).
     """
     try:
-        ((texts, _, done),) = await run.choices.collect(request)
+        ((texts, _, done, tokens),) = await run.choices.collect(request)
     except APIError as e:
         raise renamed(e, renames) from None
-    yield 0, Text("".join(texts), [])
+    for text, n in zip(texts, tokens, strict=True):  # piece by piece: their tokens counted
+        yield 0, Text(text, [], n)
     yield 0, done

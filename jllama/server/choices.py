@@ -47,14 +47,18 @@ def choice_samplers(body: CompletionRequest | ChatCompletionRequest,
     return [body.sampler_config(vocab_size, i, base) for i in range(n)]
 
 
-def usage(dones: list[Done]) -> dict:
+def usage(dones: list[Done], reasoning: list[int | None] | None = None) -> dict:
     """OpenAI's `usage` of a request whose choices ended with `dones` (one per choice): the
-    prompt's tokens once, the completion tokens summed, and the prompt tokens served from a
-    cache (the least over the choices, where known)."""
+    prompt's tokens once, the completion tokens summed, the prompt tokens served from a
+    cache (the least over the choices, where known), and where the replies' think blocks are
+    read apart (`reasoning`, each choice's count, None: not read) the completion tokens spent
+    in them (`completion_tokens_details.reasoning_tokens`, summed)."""
     prompt = dones[0].prompt_tokens
     completion = sum(done.completion_tokens for done in dones)
     out = {"prompt_tokens": prompt, "completion_tokens": completion,
            "total_tokens": prompt + completion}
+    if reasoning and None not in reasoning:
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning)}
     cached = [done.cached_tokens for done in dones]
     if None not in cached:  # OpenAI's count of prompt tokens served from a cache
         out["prompt_tokens_details"] = {"cached_tokens": min(cached)}
@@ -121,11 +125,13 @@ class Choices:
                 task.cancel()
 
     async def collect(self, request: Request
-                      ) -> list[tuple[list[str], list[TokenLogprob], Done]]:
-        """Each choice's (text pieces, log-probs, Done) once all have ended, in choice order;
+                      ) -> list[tuple[list[str], list[TokenLogprob], Done, list[int]]]:
+        """Each choice's (text pieces, log-probs, Done, each piece's tokens: `Text.tokens`)
+        once all have ended, in choice order;
         every job is cancelled as soon as the client disconnects (the worker stops before its
         next token), and when a job fails (its APIError is raised)."""
         texts: list[list[str]] = [[] for _ in range(self.n)]
+        tokens: list[list[int]] = [[] for _ in range(self.n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.n)]
         dones: list[Done | None] = [None] * self.n
         merged, tasks = self._merged()
@@ -147,8 +153,9 @@ class Choices:
                         dones[index] = event
                     else:
                         texts[index].append(event.text)
+                        tokens[index].append(event.tokens)
                         logprobs[index].extend(event.logprobs)
-            return list(zip(texts, logprobs, dones, strict=True))
+            return list(zip(texts, logprobs, dones, tokens, strict=True))
         except BaseException:  # a vanished client, a failure, a shutdown: free the worker
             self.cancel()
             raise

@@ -115,12 +115,18 @@ class ReasoningReply:
     Args:
       inner: the reply reader of the content.
       in_think: the prompt opened the block (`jllama.chat.reasoning.opens_thinking`).
+
+    Attributes:
+      reasoning_tokens: the generated tokens of the think block so far (`deltas`' tokens of
+        each piece read inside it, the one that closes it included; 0 without a block).
     """
 
     def __init__(self, inner: TextReply, in_think: bool):
         self.inner = inner
         self.in_think = in_think
         self._splitter = ThinkSplitter(in_think)
+        self.reasoning_tokens = 0
+        self._held_tokens = 0  # of pieces read before the block is known to open
 
     def _as_deltas(self, pieces: list[tuple[str, str]]) -> list[dict]:
         out: list[dict] = []
@@ -131,10 +137,26 @@ class ReasoningReply:
                 out.append({"reasoning_content": text})
         return out
 
-    def deltas(self, text: str) -> list[dict]:
-        """Stream deltas for the next piece of text: `{"reasoning_content"}` inside the block,
-        the inner reply's deltas after it."""
-        return self._as_deltas(self._splitter.feed(text))
+    def deltas(self, text: str, tokens: int = 1) -> list[dict]:
+        """Stream deltas for the next piece of text (of `tokens` generated tokens):
+        `{"reasoning_content"}` inside the block, the inner reply's deltas after it."""
+        inside = self._splitter.thinking
+        deltas = self._as_deltas(self._splitter.feed(text))
+        if inside:
+            self._held_tokens += tokens
+            if self._splitter.opened:
+                self.reasoning_tokens += self._held_tokens
+            if self._splitter.opened or not self._splitter.thinking:
+                self._held_tokens = 0
+        return deltas
+
+    def count(self, texts: list[str], tokens: list[int]) -> None:
+        """Sets `reasoning_tokens` from a whole reply's pieces and their tokens (as `deltas`
+        counts them), for a reply that was not streamed."""
+        counter = ReasoningReply(TextReply(), self.in_think)
+        for text, n in zip(texts, tokens, strict=True):
+            counter.deltas(text, n)
+        self.reasoning_tokens = counter.reasoning_tokens
 
     def final_deltas(self) -> list[dict]:
         return self._as_deltas(self._splitter.finish()) + self.inner.final_deltas()

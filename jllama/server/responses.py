@@ -165,10 +165,11 @@ class ResponseBuilder:
         self._open = None
         return events
 
-    def finish(self, done: Done) -> list[Event]:
+    def finish(self, done: Done, reasoning_tokens: int = 0) -> list[Event]:
         """The last events: the open item closed (an empty message where the reply had no
         text; a reply cut short in its think block is that reasoning item alone, as OpenAI's
-        incomplete reasoning responses), then response.completed or response.incomplete."""
+        incomplete reasoning responses), then response.completed or response.incomplete;
+        `reasoning_tokens`: the output tokens of the think block, for `usage`."""
         events = [] if self.output else self.add({"content": ""})
         self.status = "incomplete" if done.finish_reason == "length" else "completed"
         events += self._close(self.status)
@@ -176,7 +177,7 @@ class ResponseBuilder:
             "input_tokens": done.prompt_tokens,
             "input_tokens_details": {"cached_tokens": done.cached_tokens or 0},
             "output_tokens": done.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": done.prompt_tokens + done.completion_tokens,
         }
         return events + [self.event(f"response.{self.status}", response=self.response())]
@@ -216,7 +217,7 @@ def _replay(run: ChatRun, builder: ResponseBuilder, events: Events) -> AsyncIter
     """The response's events from the chat run's (the one choice's)."""
     def finish(done: Done):
         run.finish(0, done)
-        return builder.finish(done)
+        return builder.finish(done, getattr(run.replies[0], "reasoning_tokens", 0))
 
     return replay(run, builder, events, finish)
 

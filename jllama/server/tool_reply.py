@@ -22,8 +22,8 @@ from jllama.server.tools import HERMES_CLOSE, HERMES_OPEN
 class TextReply:
     """A reply with no tools offered: its text is the content."""
 
-    def deltas(self, text: str) -> list[dict]:
-        """Stream deltas for the next piece of text."""
+    def deltas(self, text: str, tokens: int = 1) -> list[dict]:
+        """Stream deltas for the next piece of text (of `tokens` generated tokens)."""
         return [{"content": text}] if text else []
 
     def final_deltas(self) -> list[dict]:
@@ -63,7 +63,7 @@ class ToolReply(TextReply):
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": value}}]})
         return out
 
-    def deltas(self, text: str) -> list[dict]:
+    def deltas(self, text: str, tokens: int = 1) -> list[dict]:
         return self._as_deltas(self.reader.feed(text))
 
     def final_deltas(self) -> list[dict]:
@@ -226,7 +226,7 @@ class HermesToolReply(TextReply):
                                             "function": {"arguments": value}}]})
         return out
 
-    def deltas(self, text: str) -> list[dict]:
+    def deltas(self, text: str, tokens: int = 1) -> list[dict]:
         self._buffer += text
         if self.is_calls is None:
             tag = HERMES_OPEN.rstrip()  # what "auto"'s text may not start with
