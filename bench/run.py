@@ -249,8 +249,8 @@ def meta(args: argparse.Namespace) -> dict:
 
 
 # The bytes machine_facts reads to measure the bandwidth: 400 MB, well past every cache. bench's
-# own tests set it to 16 MB in bench/conftest.py (their scripts' machine lines are checked for
-# their form, not the figure, and 400 MB costs ~5 s a script run).
+# own tests set 16 MB (they check the scripts' machine lines for their form, not the figure,
+# and 400 MB costs ~5 s a script run).
 READ_BYTES_ENV = "JLLAMA_BENCH_READ_BYTES"
 
 
