@@ -89,6 +89,24 @@ def test_hostile_templates_end_in_one_line_within_5_s(source, needle):
     assert needle in message, message
 
 
+def test_tojson_of_the_callers_values_and_of_what_a_template_makes_of_them():
+    """`tojson` writes a value the caller gave (a message, the tools) without sizing it first
+    (its text is the caller's own data: here 10M characters, as `json.dumps` writes them). A
+    list the template makes of them is new and sized: ten references to a 2M-character
+    message are refused before json writes 20M characters."""
+    import json
+
+    from jllama.chat.sandbox import compile_template, render_template
+
+    big = [{"role": "user", "content": "y" * 10_000_000}]
+    text = render_template(compile_template("{{ messages[0]|tojson }}"), {"messages": big})
+    assert text == json.dumps(big[0], ensure_ascii=False)
+    two_m = [{"role": "user", "content": "y" * 2_000_000}]
+    made = "{% set m = messages[0] %}{{ [m, m, m, m, m, m, m, m, m, m]|tojson }}"
+    with pytest.raises(ChatError, match="a value of"):
+        render_template(compile_template(made), {"messages": two_m})
+
+
 def test_limits_leave_normal_templates_alone():
     """Loops, macros, recursion a few levels deep, strings of a few MB and `~` of them."""
     source = (

@@ -24,6 +24,7 @@ or the message it gave `raise_exception`), a limit reached.
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import itertools
 import json
@@ -76,12 +77,14 @@ def _tojson(
     wants neither. The arguments are `json.dumps`'s, and the text is the same, refused past
     `MAX_TEMPLATE_VALUE` characters (a list holding one string many times is small to make and
     huge to write, and so is a short list with long separators): sized before json's C encoder
-    writes it, or, with an `indent` (where json's Python encoder writes it piece by piece
-    anyway), before its pieces are joined. `indent` is at most `MAX_JSON_INDENT`.
+    writes it (a value the caller gave is written as it is: `_given`), or, with an `indent`
+    (where json's Python encoder writes it piece by piece anyway), before its pieces are
+    joined. `indent` is at most `MAX_JSON_INDENT`.
     """
     if indent is None:
-        # json's C encoder writes the whole text in one call: size it first.
-        if type(value) is not str:
+        # json's C encoder writes the whole text in one call: size it first, unless it is
+        # one of the caller's own values (`_given`).
+        if type(value) is not str and id(value) not in _given():
             n = limits.text_size(value)
             if separators is not None:
                 n += n // 2 * _separators_extra(separators)  # text_size counts >= 2 an item
@@ -108,6 +111,42 @@ def _tojson(
                             "characters (refused)")
         chunks += batch
     return "".join(chunks)
+
+
+# The values a rendering was given, for `_tojson` (`render_template` sets it per rendering).
+_GIVEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("jllama_given", default=None)
+
+_GIVEN_DEPTH = 4
+"""How deep into the variables `_given` looks: tools[i]["function"]["parameters"] is 4 down."""
+
+
+def _given() -> set | frozenset:
+    """The ids of the containers the caller gave the rendering, to `_GIVEN_DEPTH` levels.
+
+    Why `tojson` need not size these first: their text is the caller's own data written out,
+    as large as what the caller already holds (a server request's, at most a few times its
+    body, which the server bounds: a JSON body cannot share one object between two places);
+    the limits are against what a template *makes* (`[big] * 1000`, a list literal naming one
+    value many times), and anything it makes is a new object, not in this set. The ids stay
+    unique while the rendering runs: `variables` holds every object (the sandbox is immutable,
+    so the template cannot drop one). Computed once a rendering, at its first `tojson`
+    (sizing a tool's schema walk by walk cost 5-8% of a rendering with tools)."""
+    holder = _GIVEN.get()
+    if holder is None:
+        return frozenset()
+    if holder[1] is None:
+        ids = set()
+        level = [v for v in holder[0].values() if type(v) in (dict, list, tuple)]
+        for _ in range(_GIVEN_DEPTH):
+            ids.update(map(id, level))
+            below = []
+            for v in level:
+                for item in (v.values() if type(v) is dict else v):
+                    if type(item) in (dict, list, tuple):
+                        below.append(item)
+            level = below
+        holder[1] = ids
+    return holder[1]
 
 
 def _separators_extra(separators: Any) -> int:
@@ -277,10 +316,12 @@ def render_template(compiled: jinja2.Template, variables: Mapping[str, Any]) -> 
         memory exhausted), with the template line where known.
     """
     watch = start_watch()
+    given = _GIVEN.set([variables, None])
     try:
         try:
             return compiled.render(variables)
         finally:
+            _GIVEN.reset(given)
             stop_watch(watch)
     except Stopped:
         # Again: the watcher raises at each look until the rendering ends, and a second
