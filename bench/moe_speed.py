@@ -11,8 +11,8 @@ CI), then, with --quantize (llama.cpp's llama-quantize), Q8_0 copies:
   - dense: the same attention, and one SwiGLU FFN of width top_k * expert width (1024), so a
     token multiplies the same number of FFN weights (the MoE adds its router, 128 x dim).
 
-Each is run by the jax backend (its default CPU path: the kernels), a few prompt tokens then
-`--tokens` decode steps timed, alternating moe / dense for `--rounds`; one JSON line per run:
+Each is run by the jax backend (its default CPU path: the kernels), a few prompt tokens and
+`--warmup` untimed decode steps, then `--tokens` decode steps timed, alternating moe / dense for `--rounds`; one JSON line per run:
 
     python bench/moe_speed.py [--quantize=/path/to/llama-quantize] [--tokens=64 --rounds=2]
 
@@ -155,6 +155,9 @@ def decode_rate(path: Path, args) -> dict:
     prompt = list(range(1, 9))
     logits = backend.prefill(prompt, 0)
     token, pos = int(np.argmax(logits)), len(prompt)
+    for _ in range(args.warmup):  # untimed: the first reads of each expert's pages
+        token = int(np.argmax(backend.forward(token, pos)))
+        pos += 1
     start = time.perf_counter()
     for _ in range(args.tokens):
         token = int(np.argmax(backend.forward(token, pos)))
@@ -166,7 +169,8 @@ def decode_rate(path: Path, args) -> dict:
         "model": "moe" if c.moe else "dense", "file": path.name, "matvec": backend.matvec,
         "n_experts": c.n_experts, "top_k": c.n_experts_per_tok,
         "active_ffn_params": ffn * (c.n_experts_per_tok if c.moe else 1),
-        "total_params": c.n_params(), "decode_tokens": args.tokens,
+        "total_params": c.n_params(), "warmup_tokens": args.warmup,
+        "decode_tokens": args.tokens,
         "decode_tok_s": round(args.tokens / seconds, 2),
     }
 
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantize", type=Path, help="llama-quantize: run Q8_0 copies")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=32, help="untimed decode steps first")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     files = {moe: ensure(args, moe) for moe in (True, False)}

@@ -25,6 +25,7 @@ import jax
 
 from jllama.graphs.ops import matmul, residual_matmul, residual_swiglu_matmul, rmsnorm
 from jllama.model.config import ModelConfig
+from jllama.model.ggml_matrix import RowStack, float_gate_up, gate_up
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("matvec",))
@@ -85,8 +86,28 @@ def moe_experts(
     Returns:
       f32[dim].
     """
-    for i in range(len(w1)):
-        gate = matmul(w1[i], h, matvec)
-        up = matmul(w3[i], h, matvec) * weights[i]
-        x = residual_swiglu_matmul(x, w2[i], gate, up, matvec)
+    hidden, k = config.hidden_dim, len(w1)
+    gates, ups = [None] * k, [None] * k
+    if matvec == "kernel":
+        pairs = [gate_up(w1[i], w3[i]) for i in range(k)]
+        if all(p is not None and p.parts[0].repacked == pairs[0].parts[0].repacked
+               for p in pairs):
+            # GGML blocks: two experts' gate and up in one kernel call (a RowStack takes up
+            # to 4 parts), h quantized once per call: half the calls of one per expert.
+            for i in range(0, k, 2):
+                parts = pairs[i].parts + (pairs[i + 1].parts if i + 1 < k else ())
+                out = matmul(RowStack(parts), h, matvec)
+                for j in range(len(parts) // 2):
+                    rows = out[2 * j * hidden:(2 * j + 2) * hidden]
+                    gates[i + j], ups[i + j] = rows[:hidden], rows[hidden:]
+        else:
+            for i in range(k):
+                both = float_gate_up(w1[i], w3[i])
+                if both is not None:  # one call for an expert's gate and up
+                    out = matmul(both, h, matvec)
+                    gates[i], ups[i] = out[:hidden], out[hidden:]
+    for i in range(k):
+        if gates[i] is None:
+            gates[i], ups[i] = matmul(w1[i], h, matvec), matmul(w3[i], h, matvec)
+        x = residual_swiglu_matmul(x, w2[i], gates[i], ups[i] * weights[i], matvec)
     return x
