@@ -149,10 +149,14 @@ def test_no_recompilation(gqa_backend):
     assert compiled == []
 
 
-def test_xla_products_fall_back_to_forward():
-    b = make_backend("jax", matvec="xla")
-    b.prepare(GQA, random_weights(GQA, seed=4, scale=0.1))
-    assert not b.batch_kernels()
+def test_kernel_products_without_a_batched_kernel_fall_back_to_forward(stories260k):
+    """matvec="kernel" with weights `matvec_batch` does not take: forward per sequence, the
+    same bits. (XLA's products have a batched step of their own: tests/test_batch_xla.py.)"""
+    config, weights = stories260k
+    b = make_backend("jax", matvec="kernel")
+    b.prepare(config, weights)
+    b.batch_kernels = lambda: False
+    assert not b.batch_xla()
     _check(b, [0, 260, 3], steps=2)
 
 

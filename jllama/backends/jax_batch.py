@@ -99,9 +99,11 @@ class BatchSteps(JaxState):
     def batch_xla(self) -> bool:
         """Whether `decode_batch` runs `graphs.decode_batch_step` (XLA's products: one
         program for the batch), where `batch_kernels` is False; never for a
-        Mixture-of-Experts model (`forward` per sequence)."""
+        Mixture-of-Experts model, nor one whose sliding window is shorter than the context
+        (`forward` per sequence: its attention masks the window)."""
         config = self._prepared("decode_batch")
-        return self.matvec == "xla" and not config.moe
+        windowed = 0 < config.sliding_window < config.seq_len
+        return self.matvec == "xla" and not config.moe and not windowed
 
     def _decode_xla_part(self, pairs, caches) -> np.ndarray:
         """At most max(BATCH_SIZES) sequences through `graphs.decode_batch_step`, then each

@@ -17,7 +17,8 @@ or `classifier_rows` (every token's logits, for a perplexity).
 
 The other decode modes reuse those bodies: `fused.py` (`decode_step` + `write_caches`: one
 program for all layers per token) and `loop.py` (`decode_loop`: a chunk of tokens in one
-on-device loop, sampled on the device by `sample_on_device`).
+on-device loop, sampled on the device by `sample_on_device`), and `batch_xla.py`
+(`decode_batch_step`: one token for each of B sequences, XLA's products, one program).
 
 `ONE_DEVICE` holds all of them as one typed `Programs` object, the one a backend calls on one
 device (`sharded.sharded_programs` builds the tensor-parallel one).
@@ -30,6 +31,7 @@ from jllama.graphs.attention import (
     block_length,
     n_blocks,
 )
+from jllama.graphs.batch_xla import decode_batch_step
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.fused import decode_step, write_caches
@@ -65,6 +67,7 @@ __all__ = [
     "classifier",
     "classifier_last",
     "classifier_rows",
+    "decode_batch_step",
     "decode_loop",
     "decode_step",
     "qkv",

@@ -33,6 +33,44 @@ from jllama.graphs.classifier import classifier
 from jllama.graphs.ops import PRECISION, norm_matmul, qkv_extras, rope, split_qkv
 
 
+def attend_new_position(
+    config: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, key_blocks, value_blocks,
+    pos: jax.Array,
+) -> jax.Array:
+    """Attention of one token at `pos` over cache blocks that do not hold its own key and
+    value yet (traced; `decode_step`'s, and each row's of `jllama.graphs.batch_xla`).
+
+    Args:
+      config: the model's config.
+      q: f32[n_heads, head_dim], after RoPE.
+      k, v: f32[n_kv_heads, head_dim], this position's key (after RoPE) and value, in
+        float32; read as the cache will hold them (rounded to the blocks' type).
+      key_blocks, value_blocks: the first k cache blocks of the layer (any KV cache type),
+        holding positions < pos; what they hold at pos and after is not read.
+      pos: int32 scalar, 0 <= pos < k * block_length.
+
+    Returns:
+      f32[q_dim], the heads' outputs concatenated: the cache's entry at pos replaced by this
+      position's score and value, positions after pos masked out.
+    """
+    c = config
+    scale = jnp.sqrt(jnp.float32(c.head_dim))
+    # This position's key and value as the cache will hold them (a read after the write sees
+    # them rounded to the cache's type), as the graph mode reads them.
+    k_read = round_trip(k, key_blocks[0].dtype)
+    v_read = round_trip(v, value_blocks[0].dtype)
+    qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
+    scores = block_scores(qg, key_blocks, "gmd,gsd->gms") / scale
+    here = jnp.arange(scores.shape[-1]) == pos
+    own = jnp.einsum("gmd,gd->gm", qg, k_read, precision=PRECISION) / scale
+    scores = jnp.where(here, own[..., None], scores)
+    weights = causal_softmax(scores, pos)
+    own_weight = jnp.sum(jnp.where(here, weights, 0), axis=-1)  # [g, m]
+    att = block_weighted_sum(jnp.where(here, 0, weights), value_blocks,
+                             "gms,gsd->gmd") + own_weight[..., None] * v_read[:, None, :]
+    return att.reshape(c.q_dim)
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("shards", "matvec"))
 def decode_step(
     config: ModelConfig, x: jax.Array, layers: tuple, key_blocks: tuple, value_blocks: tuple,
@@ -59,7 +97,6 @@ def decode_step(
       f32[n_kv_heads, 1, head_dim] each (in float32: `write_caches` rounds them).
     """
     c = config
-    scale = jnp.sqrt(jnp.float32(c.head_dim))
     new_k, new_v = [], []
     for l, layer in enumerate(layers):
         with jax.named_scope(f"layer{l}"):
@@ -67,21 +104,9 @@ def decode_step(
             qkv_out = qkv_extras(c, qkv_out, layer.bqkv, layer.q_norm, layer.k_norm, shards)
             q, k, v = split_qkv(c, qkv_out, shards)
             q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
-            # This position's key and value as the cache will hold them (a read after the
-            # write sees them rounded to the cache's type), as the graph mode reads them.
-            k_read = round_trip(k, key_blocks[l][0].dtype)
-            v_read = round_trip(v, value_blocks[l][0].dtype)
-            qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
-            scores = block_scores(qg, key_blocks[l], "gmd,gsd->gms") / scale
-            here = jnp.arange(scores.shape[-1]) == pos
-            own = jnp.einsum("gmd,gd->gm", qg, k_read, precision=PRECISION) / scale
-            scores = jnp.where(here, own[..., None], scores)
-            weights = causal_softmax(scores, pos)
-            own_weight = jnp.sum(jnp.where(here, weights, 0), axis=-1)  # [g, m]
-            att = block_weighted_sum(jnp.where(here, 0, weights), value_blocks[l],
-                                     "gms,gsd->gmd") + own_weight[..., None] * v_read[:, None, :]
+            att = attend_new_position(c, q, k, v, key_blocks[l], value_blocks[l], pos)
             x = block.__wrapped__(
-                c, x, att.reshape(c.q_dim), layer.wo, layer.rms_ffn_weight, layer.w1,
+                c, x, att, layer.wo, layer.rms_ffn_weight, layer.w1,
                 layer.w2, layer.w3, matvec=matvec,
             )
             new_k.append(k)

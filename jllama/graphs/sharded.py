@@ -44,7 +44,7 @@ def _waiting(program):
 
 
 def sharded_programs(mesh: Mesh, wait: bool | None = None) -> Programs:
-    """The decode, prefill, fused and loop programs jitted for `mesh` (1-D, axis `AXIS`).
+    """The decode, prefill, fused, loop and batched decode programs jitted for `mesh` (1-D, axis `AXIS`).
 
     Each keeps its `jllama.graphs` counterpart's arguments, static arguments and donations;
     pass `shards=mesh.size` to the ones that take it (wqkv's row groups,
@@ -85,4 +85,5 @@ def sharded_programs(mesh: Mesh, wait: bool | None = None) -> Programs:
                          ("key_blocks", "value_blocks")),
         decode_loop=jit(graphs.decode_loop, (rep, rep, rep, heads, heads),
                         ("n_steps", "kind", "shards", "matvec"), ("key_cur", "value_cur")),
+        decode_batch_step=jit(graphs.decode_batch_step, (rep, heads, heads), ("shards",)),
     )

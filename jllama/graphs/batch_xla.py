@@ -1,0 +1,109 @@
+"""The batched decode step in XLA (matvec="xla": any platform, one device or a mesh): B
+sequences, each at its own position on its own KV cache, one token each, in one program.
+
+  decode_batch_step  every layer and the classifier for the B tokens: each product one
+                     matrix product of the B rows [B, in] by the weight (each weight read once
+                     for all B, where the single step reads it B times), RoPE at each row's
+                     position, each row's attention over its own cache blocks (masked by its
+                     position, its own key and value entered directly as the `fused` mode
+                     does, `jllama.graphs.fused.attend_new_position`); the new keys and values
+                     come back as small arrays
+  (then `jllama.graphs.fused.write_caches` per sequence stores them, its blocks donated: the
+  only way XLA CPU updates a cache block in place is a program that writes it and reads
+  nothing else of it, see `jllama.graphs.qkv`)
+
+Compiled once per batch size (the backend pads B up to one of `jllama.graphs.batch.
+BATCH_SIZES`: the padding rows read blocks of zeros and their results are dropped) and per
+count K of cache blocks read (the largest `attention_blocks` among the rows; a row whose own
+window is smaller gets blocks of zeros after its own, which its mask hides), so slots filling
+and emptying never compile anything.
+
+Each row's attention is its own in the program (unrolled: B * n_layers of them), reading its
+blocks where they lie. The alternative, the rows' blocks stacked into one array per layer and
+one batched attention, compiled 4-5x faster (SmolLM2 at B = 8: 4-5 s against 18-26 s) but
+stepped 1.6-2x slower on XLA CPU (200-300 ms against 118-195 ms, a busy 2-core machine), so
+the unrolled form stays; the compile is paid once per size and window (and kept by the
+persistent compilation cache).
+
+Its arithmetic is the prefill chunk's (`jllama.graphs.prefill`: matrix-matrix products of
+XLA) for the products and the `fused` mode's for attention, so a row's logits equal `forward`'s
+up to float rounding (the sums of a matrix product run in another order than a
+matrix-vector product's), not bit for bit; tests/test_batch_xla.py states what it measured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jllama.graphs.fused import attend_new_position
+from jllama.graphs.ops import qkv_extras, split_qkv
+from jllama.graphs.prefill import _rmsnorm_rows, _rope_rows, _rows_matmul
+from jllama.model.config import ModelConfig
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("shards",))
+def decode_batch_step(
+    config: ModelConfig,
+    x: jax.Array,
+    pos: jax.Array,
+    layers: tuple,
+    key_blocks: tuple,
+    value_blocks: tuple,
+    inv_freq: jax.Array,
+    rms_final_weight: jax.Array,
+    wcls,
+    *,
+    shards: int = 1,
+) -> tuple[jax.Array, tuple, tuple]:
+    """B tokens, each at its own position on its own cache, through all layers and the
+    classifier (llama2.c run.c's `forward` per row).
+
+    Args:
+      config: static.
+      x: f32[B, dim], the tokens' embedding rows.
+      pos: int32[B], each row's position (0 <= pos[b] < K * block_length).
+      layers: n_layers `LayerWeights` (f32, bf16 or `Int8Matrix` matrices, out x in).
+      key_blocks, value_blocks: per layer, per row, that row's first K cache blocks
+        (n_layers tuples of B tuples of K arrays [n_kv_heads, block_length, row_length] of a
+        KV cache type, `jllama.graphs.attention`), holding the row's positions < pos[b];
+        read only. A row's blocks after its own window may be any block (zeros): the mask
+        hides them.
+      inv_freq: f32[head_dim // 2]; rms_final_weight: f32[dim]; wcls: [vocab_size, dim].
+      shards: static; wqkv's row groups (1, or the device count under tensor parallelism,
+        `jllama.graphs.ops.split_qkv`).
+
+    Returns:
+      (logits f32[B, vocab_size], new_k, new_v): new_k and new_v per row, per layer, the
+      row's key and value f32[n_kv_heads, 1, head_dim] (B tuples of n_layers arrays, each
+      separate: `jllama.graphs.fused.write_caches` takes one row's tuple).
+    """
+    c = config
+    rows = x.shape[0]
+    angle = pos.astype(jnp.float32)[:, None] * inv_freq  # [B, head_dim // 2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    new_k = [[] for _ in range(rows)]
+    new_v = [[] for _ in range(rows)]
+    for l, layer in enumerate(layers):
+        with jax.named_scope(f"layer{l}"):
+            out = _rows_matmul(_rmsnorm_rows(x, layer.rms_att_weight, c.norm_eps), layer.wqkv)
+            out = qkv_extras(c, out, layer.bqkv, layer.q_norm, layer.k_norm, shards)
+            q, k, v = split_qkv(c, out, shards)  # [B, heads, head_dim]
+            q, k = _rope_rows(q, cos, sin), _rope_rows(k, cos, sin)
+            att = jnp.stack([
+                attend_new_position(c, q[b], k[b], v[b], key_blocks[l][b], value_blocks[l][b],
+                                    pos[b])
+                for b in range(rows)
+            ])  # [B, q_dim]
+            for b in range(rows):
+                new_k[b].append(k[b][:, None, :])
+                new_v[b].append(v[b][:, None, :])
+            x = x + _rows_matmul(att, layer.wo)
+            h = _rmsnorm_rows(x, layer.rms_ffn_weight, c.norm_eps)
+            up, gate = _rows_matmul(h, layer.w1), _rows_matmul(h, layer.w3)
+            x = x + _rows_matmul(jax.nn.silu(up) * gate, layer.w2)
+    with jax.named_scope("classifier_batch"):
+        logits = _rows_matmul(_rmsnorm_rows(x, rms_final_weight, c.norm_eps), wcls)
+    return logits, tuple(map(tuple, new_k)), tuple(map(tuple, new_v))
