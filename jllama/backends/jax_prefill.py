@@ -11,6 +11,8 @@ import numpy as np
 from jllama import graphs
 from jllama.backends.base import check_token_pos
 from jllama.backends.jax_step import DecodeStep
+from jllama.backends.numpy_ref import route
+from jllama.graphs import moe
 from jllama.model.ggml_matrix import embedding_rows
 from jllama.model.rope import rope_cos_sin
 
@@ -112,13 +114,9 @@ class PrefillSteps(DecodeStep):
     def _prefill_plan(self, start_pos: int, n: int) -> Iterator[tuple[int, int, int]]:
         """(pos, size, real) of each step of a prefill of n tokens from start_pos: a chunk of
         `size` tokens whose first `real` are the prompt's (the rest `PAD_TOKEN`), or one token
-        through `forward` when size is 0 (real 1; every token of a Mixture-of-Experts model,
-        whose layers have no chunk programs yet). A chunk never crosses a cache block boundary
+        through `forward` when size is 0 (real 1). A chunk never crosses a cache block boundary
         (it writes into one block) nor the context's end."""
         pos, end = start_pos, start_pos + n
-        if self.config.moe:  # no chunk programs for MoE layers yet: token by token
-            yield from ((p, 0, 1) for p in range(start_pos, end))
-            return
         smallest = PREFILL_CHUNKS[-1]
         while pos < end:
             room = min(end - pos, self.block_length - pos % self.block_length)
@@ -160,7 +158,36 @@ class PrefillSteps(DecodeStep):
             att = programs.attention_chunk(
                 config, q, tuple(keys[:k]), tuple(values[:k]), pos_arr, matvec=self.matvec
             )
+            if layer.gate_inp is not None:  # a Mixture-of-Experts FFN
+                x = self._moe_chunk(x, att, layer)
+                continue
             x = programs.block_chunk(
                 config, x, att, layer.wo, layer.rms_ffn_weight, layer.w1, layer.w2, layer.w3
             )
+        return x
+
+    def _moe_chunk(self, x: jax.Array, att: jax.Array, layer) -> jax.Array:
+        """A Mixture-of-Experts layer's rest for a chunk, tokens grouped by expert
+        (`jllama.graphs.moe`): the router's logits of every row to the host, each row's
+        top-k (`numpy_ref.route`, as a decode step), then each routed expert once over the
+        rows routed to it, in expert order (so each token's experts add up in the order a
+        decode step adds them). x: f32[T, dim], att: f32[T, q_dim] -> f32[T, dim]."""
+        config = self.config
+        x, h, logits = moe.moe_router_chunk(config, x, att, layer.wo, layer.rms_ffn_weight,
+                                            layer.gate_inp)
+        logits = np.asarray(logits)
+        chunk = logits.shape[0]
+        routed: dict[int, list[tuple[int, np.float32]]] = {}
+        for t in range(chunk):
+            experts, weights = route(logits[t], config.n_experts_per_tok,
+                                     config.norm_topk_prob)
+            for e, w in zip(experts.tolist(), weights, strict=True):
+                routed.setdefault(e, []).append((t, w))
+        for e in sorted(routed):
+            size = moe.row_bucket(len(routed[e]), chunk)
+            rows, weights = np.zeros(size, np.int32), np.zeros(size, np.float32)
+            rows[: len(routed[e])] = [t for t, _ in routed[e]]
+            weights[: len(routed[e])] = [w for _, w in routed[e]]
+            x = moe.moe_expert_rows(config, x, h, self._arg(rows), self._arg(weights),
+                                    layer.w1[e], layer.w2[e], layer.w3[e])
         return x

@@ -111,3 +111,60 @@ def moe_experts(
             gates[i], ups[i] = matmul(w1[i], h, matvec), matmul(w3[i], h, matvec)
         x = residual_swiglu_matmul(x, w2[i], gates[i], ups[i] * weights[i], matvec)
     return x
+
+
+ROW_BUCKETS = (8, 32, 128, 256)
+"""Row counts an expert's share of a prefill chunk is padded to (compiled shapes of
+`moe_expert_rows`; capped at the chunk's size): a few programs serve every routing."""
+
+
+def row_bucket(m: int, chunk: int) -> int:
+    """The padded row count for m tokens routed to one expert out of a chunk of `chunk`."""
+    return min(next((b for b in ROW_BUCKETS if b >= m), chunk), chunk)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def moe_router_chunk(
+    config: ModelConfig, x: jax.Array, att: jax.Array, wo, rms_ffn_weight: jax.Array,
+    gate_inp: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`moe_router` for a prefill chunk of T tokens (matrix-matrix products, as
+    `jllama.graphs.prefill`'s programs): x: f32[T, dim], att: f32[T, q_dim] -> (x f32[T, dim]
+    after the attention residual, h f32[T, dim] its RMSNorm, logits f32[T, n_experts])."""
+    from jllama.graphs.prefill import _rmsnorm_rows, _rows_matmul
+
+    x = x + _rows_matmul(att, wo)
+    h = _rmsnorm_rows(x, rms_ffn_weight, config.norm_eps)
+    return x, h, _rows_matmul(h, gate_inp)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def moe_expert_rows(
+    config: ModelConfig, x: jax.Array, h: jax.Array, rows: jax.Array, weights: jax.Array,
+    w1, w2, w3,
+) -> jax.Array:
+    """One expert over the tokens of a prefill chunk routed to it (prefill grouped by
+    expert: its matrices read once for all of them): `x[rows[i]] += weights[i] * w2 @
+    (silu(w1 @ h[rows[i]]) * (w3 @ h[rows[i]]))`.
+
+    Args:
+      config: static.
+      x: f32[T, dim], the chunk's residual streams (donated); h: f32[T, dim], their FFN
+        inputs (normalized).
+      rows: int32[M], the chunk rows routed to this expert, padded (`row_bucket`) with any row
+        of weight 0; weights: f32[M], their routing weights (0 for padding).
+      w1, w3: [hidden_dim, dim]; w2: [dim, hidden_dim]: the expert's matrices.
+
+    Returns:
+      f32[T, dim].
+    """
+    from jllama.graphs.prefill import _rows_matmul
+
+    hs = h[rows]
+    both = gate_up(w1, w3)
+    if both is not None:  # GGML blocks: one kernel call for gate and up
+        out = _rows_matmul(hs, both)
+        gate, up = out[:, : config.hidden_dim], out[:, config.hidden_dim :]
+    else:
+        gate, up = _rows_matmul(hs, w1), _rows_matmul(hs, w3)
+    return x.at[rows].add(_rows_matmul(jax.nn.silu(gate) * up * weights[:, None], w2))
