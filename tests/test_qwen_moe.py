@@ -7,7 +7,7 @@ made by transformers (`qwen_models.MOE_SPEC`: 8 experts, 2 routed per token, 2 l
   - the same model converted by llama.cpp's convert_hf_to_gguf.py (architecture qwen3moe,
     experts as 3-D tensors; tests/data/make_qwen_moe_tiny.py made the files): the F32 file's
     logits against transformers' on both backends, dequantized and as stored (the kernels'
-    products and XLA's); and the F32 and llama-quantize Q8_0 files' greedy text (and a
+    products and XLA's; decoded, and prefilled in chunks grouped by expert); and the F32 and llama-quantize Q8_0 files' greedy text (and a
     Q4_K_M file's, `qwen_models.MOE_KQUANT_SPEC`: experts in K-quant blocks), the weights as
     stored on the kernels, equal to llama.cpp's llama-simple's (moe_llamacpp.json);
   - a step reads only the routed experts: experts no token routes to set to NaN change
@@ -94,6 +94,8 @@ def test_gguf_logits_match_transformers(f32_gguf):
         backend = make_backend("jax", matvec=matvec)
         assert _max_diff(_decoded(backend, stored), want) < 1e-4, matvec
         assert backend.matvec == matvec
+        backend.use_caches(backend.new_caches())  # prefill: chunks grouped by expert
+        assert _max_diff(backend.prefill_logits(TOKENS, 0), want) < 1e-4, matvec
 
 
 @pytest.mark.parametrize("stem", ["qwen3moe-tiny-F32", "qwen3moe-tiny-Q8_0",
