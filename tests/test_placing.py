@@ -6,6 +6,7 @@ test_ggml_kernels.py), and `jllama.model.packing.place_weights` against the NumP
 from __future__ import annotations
 
 import os
+import threading
 
 import gguf
 import jax
@@ -208,3 +209,42 @@ def test_the_kernel_backend_reads_the_placed_arrays_themselves(mixed_gguf):
     # device_put aliased the views of the file and the buffer's: no copies
     assert {a.unsafe_buffer_pointer() for a in device} & kept == kept
     _assert_end_to_end([np.asarray(a) for a in device if a.unsafe_buffer_pointer() not in kept])
+
+
+def _placed_bytes(weights, cache) -> list[bytes]:
+    layers, wcls = place_weights(weights, x8=True, threads=2, cache=cache)
+    for thread in threading.enumerate():  # the cache file's writer, if one started
+        if thread.name == "jllama-weights-cache":
+            thread.join()
+    return [np.asarray(a).tobytes() for m in _in_order(layers, wcls) for a in _arrays(m)]
+
+
+def test_a_kept_buffer_is_mapped_by_the_next_load_and_built_again_when_the_file_changes(
+        mixed_gguf, tmp_path, monkeypatch):
+    """`jllama.model.weights_cache`: the first load builds the buffer and writes it; the next
+    maps that file (a byte changed in it shows through: nothing was built); a truncated file is
+    deleted and built again; a model file touched since gets a new key; the least recently
+    used file goes past MAX_ENTRIES."""
+    from jllama.model import weights_cache
+
+    monkeypatch.setattr(weights_cache, "MIN_BYTES", 0)
+    monkeypatch.setattr(weights_cache, "FREE_MARGIN", 0)
+    want = _placed_bytes(mixed_gguf, None)
+    assert _placed_bytes(mixed_gguf, tmp_path) == want
+    (first,) = tmp_path.glob("*.x8")
+    data = bytearray(first.read_bytes())
+    data[0] ^= 0xFF
+    first.write_bytes(bytes(data))
+    got = _placed_bytes(mixed_gguf, tmp_path)
+    assert got != want and b"".join(got)[:1] != b"".join(want)[:1]  # read from the cache file
+    first.write_bytes(bytes(data[:-1]))  # truncated: not used, built and written again
+    assert _placed_bytes(mixed_gguf, tmp_path) == want
+    assert first.read_bytes()[0] == (data[0] ^ 0xFF)
+    from jllama.model.packing import _file_position
+
+    path, _ = _file_position(mixed_gguf.wcls.data)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    monkeypatch.setattr(weights_cache, "MAX_ENTRIES", 1)
+    assert _placed_bytes(mixed_gguf, tmp_path) == want
+    (second,) = tmp_path.glob("*.x8")  # a new key; the older file evicted
+    assert second != first

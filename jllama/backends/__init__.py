@@ -44,7 +44,7 @@ def make_backend(name: str, **options) -> Backend:
 
 def prepared_backend(model, backend: str | Backend = "jax", *, decode: str = "graph",
                      matvec: str = "auto", devices: int = 1, cache_type_k="auto",
-                     cache_type_v="auto", say=None) -> Backend:
+                     cache_type_v="auto", say=None, weights_cache: bool = True) -> Backend:
     """`backend` (a name, or an unprepared backend) prepared for `model` (a
     `jllama.model.loading.Model`): the KV cache checked against the host's memory first (CPU
     backends), the kernels' build announced through `say` when it is about to happen.
@@ -56,6 +56,7 @@ def prepared_backend(model, backend: str | Backend = "jax", *, decode: str = "gr
         (`jllama.model.cache_types.resolve`: "auto" is f32, or `DEFAULT_GGUF` for a GGUF file);
         a backend given as an object keeps its own (and other values are a ValueError).
       say: takes lines for the user; None: nothing is said.
+      weights_cache: the jax backend's (`jllama.model.weights_cache`).
 
     Raises:
       ConfigError: an unknown cache type, or q8_0 for a head_dim not a multiple of 32.
@@ -72,7 +73,8 @@ def prepared_backend(model, backend: str | Backend = "jax", *, decode: str = "gr
                                          model.config.head_dim)
         settings = {"cache_type_k": key, "cache_type_v": value}
         if backend == "jax":
-            settings.update(decode="fused" if decode == "fused" else "graph", matvec=matvec)
+            settings.update(decode="fused" if decode == "fused" else "graph", matvec=matvec,
+                            weights_cache=weights_cache)
             if devices > 1:
                 settings["devices"] = devices
         backend = make_backend(backend, **settings)

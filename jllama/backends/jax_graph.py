@@ -38,7 +38,9 @@ from jllama.model.config import ModelConfig
 from jllama.graphs.cache_rows import KERNEL_CACHE_DTYPES
 from jllama.errors import BackendError, ConfigError
 from jllama.model.ggml_matrix import for_xla, is_ggml, repacked
+from jllama.model import weights_cache
 from jllama.model.packing import pack_in_decode_order, place_weights
+from jllama.platform.fetch import jllama_home
 from jllama.model.rope import rope_frequencies
 from jllama.platform.runtime import available_cpus
 from jllama.platform.sharding import TensorParallel
@@ -87,6 +89,8 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
         (`jllama.model.cache_types`: "f32", "f16", "bf16", "q8_0", or a `CacheType`): each block is
         stored in its type, rows rounded as they are written and widened to float32 as they
         are read.
+      weights_cache: with matvec="kernel", keep the kernels' weight buffer in
+        `$JLLAMA_HOME/weights` and map it from there in later runs (`jllama.model.weights_cache`).
 
     Raises:
       ConfigError: an unknown cache type; (at `prepare`) q8_0 for a head_dim that is not a
@@ -132,7 +136,9 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
         matvec: str = "auto",
         cache_type_k="f32",
         cache_type_v="f32",
+        weights_cache: bool = True,
     ):
+        self.weights_cache = weights_cache
         self.cache_types = (_cache_type(cache_type_k, "cache_type_k"),
                             _cache_type(cache_type_v, "cache_type_v"))
         self.cache_note = ""
@@ -199,8 +205,9 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
             # rather than copies (`jllama.model.packing.place_weights`); GGML blocks eight rows at a
             # time where the kernels have that path (AVX2 or AVX-512): the same bytes, 2-3x
             # faster products (`jllama.model.ggml_repack`).
+            cache = weights_cache.folder(jllama_home()) if self.weights_cache else None
             layers, wcls = place_weights(weights, x8=kernels.vector_width() >= 8,
-                                         threads=available_cpus())
+                                         threads=available_cpus(), cache=cache)
             self.layers, self.rms_final_weight, self.wcls = jax.device_put(
                 (layers, weights.rms_final_weight, wcls), self.device
             )

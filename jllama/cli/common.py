@@ -167,7 +167,7 @@ def open_session(model, run: RunOptions, n_devices: int, speak: bool = True,
             model, run.backend, decode=run.decode, matvec=run.matvec, devices=n_devices,
             cache_type_k=key, cache_type_v=value, prefill=run.prefill,
             say=say_flags if speak else None, draft=options.pop("draft", run.draft),
-            draft_tokens=run.draft_tokens, **options,
+            draft_tokens=run.draft_tokens, weights_cache=run.weights_cache, **options,
         )
     except ShardingError as e:  # e.g. fewer devices than --devices asks for
         raise JllamaError(as_flag(str(e))) from None

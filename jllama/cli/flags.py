@@ -196,6 +196,14 @@ flags.DEFINE_bool(
     "later runs instead of compiling again; --nocompile_cache compiles everything and stores "
     "nothing.",
 )
+flags.DEFINE_bool(
+    "weights_cache",
+    True,
+    "jax backend on the CPU kernels: keep the weights in the kernels' layout in "
+    "$JLLAMA_HOME/weights (written once, the size of the model) and map them from there in "
+    "later runs instead of building them again; --noweights_cache builds them every run and "
+    "writes nothing.",
+)
 flags.DEFINE_string("host", "127.0.0.1", "serve: the address to listen on.")
 flags.DEFINE_integer(
     "port", 8080, "serve: the TCP port to listen on (0 = any free one, printed).",

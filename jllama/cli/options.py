@@ -70,6 +70,8 @@ class RunOptions:
     draft: str = "none"
     draft_tokens: int = 15
     """Speculative decoding: the drafter and the longest draft (--draft, --draft_tokens)."""
+    weights_cache: bool = True
+    """--weights_cache (`jllama.model.weights_cache`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +195,8 @@ def from_flags() -> Options:
                            None if f.dtype == "auto" else f.dtype),
         run=RunOptions(f.backend, f.decode, f.matvec, f.prefill, f.devices, f.threads,
                        f.compile_cache, f.coordinator, f.num_processes, f.process_id,
-                       jax_modes, *kv_names, kv_flags, f.draft, f.draft_tokens),
+                       jax_modes, *kv_names, kv_flags, f.draft, f.draft_tokens,
+                       f.weights_cache),
         sampling=_sampling(),
         text=TextOptions(f.mode, f.prompt, f.steps, f.system_prompt or None, f.parse_special,
                          f.output_format, f.verify_checkpoint, f.verbosity > 0, constraint(),

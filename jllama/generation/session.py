@@ -117,10 +117,10 @@ class Session(SlotsMixin):
     def prepare(cls, model, backend: str | Backend = "jax", *, decode: str = "auto",
                 matvec: str = "auto", devices: int = 1, cache_type_k="auto",
                 cache_type_v="auto", say: Callable[[str], None] | None = None,
-                **options) -> Session:
+                weights_cache: bool = True, **options) -> Session:
         """The backend (a name or an unprepared one) prepared for `model` by
         `jllama.backends.prepared_backend` (its arguments and errors: decode, matvec, devices,
-        cache_type_k, cache_type_v, say), then the session (**options: prefill,
+        cache_type_k, cache_type_v, say, weights_cache), then the session (**options: prefill,
         device_sampling, compile_ahead, draft, draft_tokens; a draft that names a checkpoint
         or self:q4 / self:int8, or a `Model` from `load_draft`, is prepared here, `open_draft`); `say` also gets the
         backend's notes."""
@@ -128,7 +128,8 @@ class Session(SlotsMixin):
         backend_name = backend if isinstance(backend, str) else backend.name
         backend = prepared_backend(model, backend, decode=decode, matvec=matvec,
                                    devices=devices, cache_type_k=cache_type_k,
-                                   cache_type_v=cache_type_v, say=say)
+                                   cache_type_v=cache_type_v, say=say,
+                                   weights_cache=weights_cache)
         draft = options.get("draft", "none")
         from jllama.generation.draft_model import DraftModel, open_draft
 

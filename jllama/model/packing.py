@@ -23,9 +23,11 @@ import dataclasses
 import mmap
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
+from jllama.model import weights_cache
 from jllama.model.ggml_matrix import MAX_PARTS, GGMLMatrix, RowStack, from_float, is_ggml
 from jllama.model.ggml_repack import X8, can_repack
 from jllama.model.quant import Int8Matrix, concatenate_rows
@@ -192,6 +194,20 @@ class _Plan:
         self.total = start + _padded(nbytes)
         return lambda buffer: buffer[start : start + nbytes]
 
+    def cache_key(self) -> str | None:
+        """The `weights_cache.key` of the buffer this plan builds, or None when a piece is not
+        read from a mapped file (its bytes are not the file's) or a file cannot be examined."""
+        pieces = []
+        for a, offset, type_id in self.pieces:
+            where = _file_position(a) if mapped_read_only(a) else None
+            if where is None:
+                return None
+            pieces.append((*where, a.nbytes, type_id, a.shape[-1] * a.itemsize, offset))
+        try:
+            return weights_cache.key(pieces, self.total)
+        except OSError:
+            return None
+
     def run(self, buffer: np.ndarray, threads: int, read: str) -> None:
         from jllama.kernels.repack import PIECE, place
 
@@ -260,7 +276,7 @@ def _planned(plan: _Plan, matrices: list, x8: bool) -> Callable[[np.ndarray], ob
 
 def place_weights(
     weights: TransformerWeights, *, x8: bool, threads: int, huge_pages: bool = True,
-    read: str = "map",
+    read: str = "map", cache: os.PathLike | None = None,
 ) -> tuple[tuple[LayerWeights, ...], object]:
     """`jllama.model.weights.to_graph_weights` and `pack_in_decode_order` in one pass, for the
     kernels: the decode step's matrices (per layer wqkv, wo, w1, w3, w2, then wcls) end to end
@@ -276,6 +292,9 @@ def place_weights(
       threads: threads to copy on.
       huge_pages: see `host_buffer`.
       read: one of `READS`, for what is read from a read-only mapped file.
+      cache: a folder of `jllama.model.weights_cache` files: where the buffer was kept by an
+        earlier load of the same file(s), it is mapped from there (nothing is built), else it
+        is built and written there in the background. None: built, not kept.
 
     Returns:
       (layers, wcls): the graph layout's `LayerWeights` (the norm gains are `weights`' own
@@ -300,8 +319,14 @@ def place_weights(
                         else [getattr(weights, name)[l]])
             builders.append(_planned(plan, matrices, x8))
     builders.append(_planned(plan, [weights.wcls], x8))
-    buffer = host_buffer(max(plan.total, ALIGN), huge_pages=huge_pages)
-    plan.run(buffer, threads, read)
+    keep = cache is not None and plan.total >= weights_cache.MIN_BYTES
+    name = plan.cache_key() if keep else None
+    buffer = None if name is None else weights_cache.load(Path(cache), name, plan.total)
+    if buffer is None:
+        buffer = host_buffer(max(plan.total, ALIGN), huge_pages=huge_pages)
+        plan.run(buffer, threads, read)
+        if name is not None:
+            weights_cache.store(Path(cache), name, buffer)
     built = iter([build(buffer) for build in builders])
     layers = tuple(
         LayerWeights(rms_att_weight=weights.rms_att_weight[l], rms_ffn_weight=weights.rms_ffn_weight[l],
