@@ -119,18 +119,21 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def attention(
-    q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, pos: int
+    q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, pos: int, window: int = 0
 ) -> np.ndarray:
     """Causal multi-head attention of one query position over cache positions 0..pos, as run.c:
     scores `q . k / sqrt(head_dim)`, softmax, weighted sum of values. Query head h reads
-    key/value head `h // kv_mul` (grouped-query attention).
+    key/value head `h // kv_mul` (grouped-query attention). With a sliding window (Mistral
+    v0.1's), only the last `window` positions, pos - window + 1 .. pos (transformers' mask:
+    key position > query position - window).
 
     q: f32[n_heads * head_dim]; key_cache, value_cache: f32[n_kv_heads, seq_len, head_dim], or
-    another cache type's (widened to float32 by `jllama.model.cache_types.decode`)
-    -> f32[n_heads * head_dim].
+    another cache type's (widened to float32 by `jllama.model.cache_types.decode`); window: 0
+    for none -> f32[n_heads * head_dim].
     """
-    keys = cache_types.decode(key_cache[:, : pos + 1, :])
-    values = cache_types.decode(value_cache[:, : pos + 1, :])
+    start = max(0, pos - window + 1) if window else 0
+    keys = cache_types.decode(key_cache[:, start: pos + 1, :])
+    values = cache_types.decode(value_cache[:, start: pos + 1, :])
     n_kv_heads, _, head_dim = keys.shape
     qg = q.reshape(n_kv_heads, -1, head_dim)  # [n_kv_heads, kv_mul, head_dim]
     scores = np.matmul(qg, keys.transpose(0, 2, 1)) / np.sqrt(_F32(head_dim))
@@ -240,7 +243,7 @@ def forward(
             k = head_rmsnorm(k, weights.k_norm[l], config.norm_eps)
         q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
         cache_write(cache.key_cache[l], cache.value_cache[l], k, v, pos)
-        att = attention(q, cache.key_cache[l], cache.value_cache[l], pos)
+        att = attention(q, cache.key_cache[l], cache.value_cache[l], pos, config.sliding_window)
         x = x + matmul(weights.wo[l], att)
         xb = rmsnorm(x, weights.rms_ffn_weight[l], config.norm_eps)
         if config.moe:  # Qwen3-MoE: the routed experts' FFNs, weighted

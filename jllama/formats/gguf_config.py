@@ -14,7 +14,8 @@ Metadata keys read (as llama.cpp's `llm_load_hparams` for LLM_ARCH_LLAMA / QWEN2
   embedding_length -> dim, feed_forward_length -> hidden_dim, block_count -> n_layers,
   attention.head_count -> n_heads, attention.head_count_kv -> n_kv_heads (default n_heads),
   attention.key_length -> head_dim (default dim // n_heads; value_length must agree),
-  context_length -> seq_len (capped by the caller's `seq_len`),
+  context_length -> seq_len (capped by the caller's `seq_len`, and without one by
+  attention.sliding_window, which -> sliding_window: `ModelConfig.sliding_window`),
   attention.layer_norm_rms_epsilon -> norm_eps, rope.freq_base -> rope_theta (default 10000),
   rope.dimension_count (must be head_dim: partial rotary embeddings are not supported),
   vocab_size (default: the tokenizer's token count).
@@ -174,6 +175,12 @@ def config_from_metadata(
     norm_eps = _get(meta, eps_key, source, float)
     rope_theta = _get(meta, theta_key, source, float, 10000.0)
     experts = moe_settings(meta, source, p) if family.moe else {}
+    window = _get(meta, p + "attention.sliding_window", source, int, 0)
+    if window < 0:
+        raise ConfigError(f"{source}: {p}attention.sliding_window={window} is negative")
+    context = min(context_length, seq_len) if seq_len else context_length
+    if window and not seq_len:
+        context = min(context, window)  # exact up to the window on every backend
     try:
         check_norm_eps(norm_eps, eps_key)
         check_rope_theta(rope_theta, theta_key)
@@ -185,7 +192,7 @@ def config_from_metadata(
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             vocab_size=vocab_size,
-            seq_len=min(context_length, seq_len) if seq_len else context_length,
+            seq_len=context,
             shared_weights=True,
             norm_eps=norm_eps,
             rope_theta=rope_theta,
@@ -193,6 +200,7 @@ def config_from_metadata(
             rope_scaling=rope_scaling,
             qkv_bias=family.qkv_bias,
             qk_norm=family.qk_norm,
+            sliding_window=window,
             **experts,
         )
     except ConfigError as e:

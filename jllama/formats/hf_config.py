@@ -21,8 +21,11 @@ config.json keys read (transformers' `LlamaConfig`; defaults are LlamaConfig's):
   hidden_act (must be "silu"), attention_bias / mlp_bias (must be false; Qwen2's q/k/v biases
   are not this key's: its config leaves it null and the biases are always there),
   sliding window: `layer_types` (transformers 5: a "sliding_attention" entry), else
-  `use_sliding_window` (Qwen) or a non-null `sliding_window` (Mistral, whose default is 4096)
-  -> sliding_window; the context is then capped at the window (`ModelConfig.sliding_window`),
+  `use_sliding_window` (Qwen, whose layers from `max_window_layers` on slide, as transformers'
+  Qwen2Config) or a non-null `sliding_window` (Mistral, whose default is 4096) ->
+  sliding_window; without a seq_len the context is capped at the window (exact on every
+  backend); a longer seq_len asked for is masked where a backend can
+  (`ModelConfig.sliding_window`), and refused where some layers slide and others do not,
   RoPE: `rope_scaling` (transformers 4) or else `rope_parameters` (transformers 5, which moved
   rope_theta into it). The type is `rope_type` (or the older `type`): "default"/absent is plain
   RoPE; "linear" needs `factor`; "llama3" needs `factor`, `low_freq_factor`,
@@ -148,19 +151,23 @@ def family(cfg: Mapping[str, Any], source: str) -> str:
     return model_type
 
 
-def _sliding_window(cfg: Mapping[str, Any], source: str, kind: str) -> int:
-    """The attention window of config.json (module docstring), or 0 for none."""
+def _window_layers(cfg: Mapping[str, Any], source: str, kind: str) -> tuple[int, bool]:
+    """The attention window of config.json (module docstring), or 0 for none, and whether
+    every layer slides."""
     types = cfg.get("layer_types")
     if isinstance(types, list):
-        used = "sliding_attention" in types
+        used, every = "sliding_attention" in types, set(types) == {"sliding_attention"}
     elif kind in ("qwen2", "qwen3", "qwen3_moe"):
         used = _get(cfg, "use_sliding_window", source, bool, False)
+        first = _get(cfg, "max_window_layers", source, int, 0)  # the first layer that slides
+        n_layers = _get(cfg, "num_hidden_layers", source, int)
+        used, every = used and first < n_layers, first <= 0
     else:
-        used = kind == "mistral"
+        used = every = kind == "mistral"
     window = _get(cfg, "sliding_window", source, int, 0) if used else 0
     if window < 0:
         raise ConfigError(f"{source}: config.json sliding_window={window} is negative")
-    return window
+    return window, every
 
 
 def _experts(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -285,10 +292,14 @@ def config_from_hf(
     max_positions = context_length(cfg, source)
     rope_theta, rope_scaling = _rope_settings(cfg, source, max_positions)
     norm_eps = _get(cfg, "rms_norm_eps", source, float, 1e-6)
-    window = _sliding_window(cfg, source, kind)
+    window, every = _window_layers(cfg, source, kind)
     context = min(max_positions, seq_len) if seq_len else max_positions
-    if window:
-        context = min(context, window)  # exact up to the window: ModelConfig.sliding_window
+    if window and not seq_len:
+        context = min(context, window)  # exact up to the window on every backend
+    if window and context > window and not every:
+        raise ConfigError(f"{source}: seq_len={context} is past sliding_window={window}, and "
+                          "only some layers slide (max_window_layers / layer_types): jllama's "
+                          f"window is every layer's; give seq_len <= {window}")
     try:
         check_norm_eps(norm_eps, "config.json rms_norm_eps")
         return ModelConfig(

@@ -98,12 +98,21 @@ def block_weighted_sum(weights: jax.Array, value_blocks, spec: str) -> jax.Array
     return out
 
 
-def causal_softmax(scores: jax.Array, pos: jax.Array) -> jax.Array:
+def visible(where: jax.Array, pos: jax.Array, window: int = 0) -> jax.Array:
+    """Which cache positions `where` a query at `pos` attends to (broadcast): those <= pos,
+    and with a sliding window (`ModelConfig.sliding_window`, static; 0: none) only those
+    > pos - window, transformers' sliding mask (Mistral v0.1)."""
+    seen = where <= pos
+    return seen & (where > pos - window) if window else seen
+
+
+def causal_softmax(scores: jax.Array, pos: jax.Array, window: int = 0) -> jax.Array:
     """Softmax over the last axis (cache positions) of `scores`, positions after `pos` masked
-    out (causal attention). pos: an int32 scalar (one query), or int32[T], the position of
-    each query on the second-to-last axis of scores (a prefill chunk)."""
-    visible = jnp.arange(scores.shape[-1]) <= jnp.expand_dims(pos, -1)
-    return jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    out (causal attention), and with a sliding `window` (static) those before its start.
+    pos: an int32 scalar (one query), or int32[T], the position of each query on the
+    second-to-last axis of scores (a prefill chunk)."""
+    seen = visible(jnp.arange(scores.shape[-1]), jnp.expand_dims(pos, -1), window)
+    return jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
 
 
 def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax.Array,
@@ -117,7 +126,7 @@ def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax
     if matvec == "kernel" and kernel_reads(key_blocks[0], value_blocks[0]):
         return kernels.attention(qg, key_blocks, value_blocks, pos).reshape(c.q_dim)
     scores = block_scores(qg, key_blocks, "gmd,gsd->gms") / jnp.sqrt(jnp.float32(c.head_dim))
-    weights = causal_softmax(scores, pos)
+    weights = causal_softmax(scores, pos, c.sliding_window)
     return block_weighted_sum(weights, value_blocks, "gms,gsd->gmd").reshape(c.q_dim)
 
 
@@ -139,14 +148,16 @@ def attend_current(
         # The current block is the only one (cur is 0): skip the products over its zeros,
         # half of this attention's work (positions < 256, e.g. every stories15M token).
         own = jnp.einsum("gmd,gsd->gms", qg, decode(key_cur), precision=PRECISION)
-        weights = causal_softmax(own / jnp.sqrt(jnp.float32(c.head_dim)), pos)
+        weights = causal_softmax(own / jnp.sqrt(jnp.float32(c.head_dim)), pos,
+                                 c.sliding_window)
         att = jnp.einsum("gms,gsd->gmd", weights, decode(value_cur), precision=PRECISION)
         return att.reshape(c.q_dim)
     zero = jnp.zeros((), jnp.int32)
     scores = block_scores(qg, key_blocks, "gmd,gsd->gms")
     own = jnp.einsum("gmd,gsd->gms", qg, decode(key_cur), precision=PRECISION)
     scores = jax.lax.dynamic_update_slice(scores, own, (zero, zero, cur * size))
-    weights = causal_softmax(scores / jnp.sqrt(jnp.float32(c.head_dim)), pos)
+    weights = causal_softmax(scores / jnp.sqrt(jnp.float32(c.head_dim)), pos,
+                             c.sliding_window)
     own_weights = jax.lax.dynamic_slice(
         weights, (zero, zero, cur * size), (c.n_kv_heads, c.kv_mul, size)
     )
@@ -169,7 +180,8 @@ def attention(
     """One layer's attention for the token at `pos`, as llama2.c run.c.
 
     For each query head h: the scores `q_h . k_t / sqrt(head_dim)` against key head
-    `h // kv_mul` for every position t of the blocks given, positions t > pos masked out,
+    `h // kv_mul` for every position t of the blocks given, positions t > pos masked out
+    (and with a sliding window those t <= pos - window),
     softmax, and the weighted sum of the values. The mask (not a slice by `pos`) lets one
     compiled program serve every position those blocks hold. The blocks are head-major
     because a [positions, kv_dim] layout makes XLA CPU transpose-copy the cache every step

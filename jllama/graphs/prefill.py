@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jllama import kernels
 from jllama.model.config import ModelConfig
+from jllama.graphs.attention import visible as seen
 from jllama.graphs.attention import write_positions
 from jllama.graphs.cache_rows import decode, kernel_reads
 from jllama.graphs.classifier import classifier
@@ -125,7 +126,7 @@ def attention_chunk(
 ) -> jax.Array:
     """Causal attention of T tokens at positions pos .. pos+T-1 (`jllama.graphs.attention` per
     token): token t's query head h attends over key head h // kv_mul at cache positions
-    s <= pos + t of the blocks given.
+    s <= pos + t of the blocks given (and s > pos + t - window with a sliding window).
 
     Args:
       config: static.
@@ -164,8 +165,9 @@ def attention_chunk(
         scores, visible = [], []
         for b, kb in enumerate(key_blocks):
             scores.append(jnp.einsum("gmtd,gsd->gmts", qg, decode(kb), precision=PRECISION))
-            # token t sees positions <= query_pos[t]: [T, size]
-            visible.append(b * size + jnp.arange(size, dtype=jnp.int32) <= query_pos[:, None])
+            # token t sees positions <= query_pos[t] (within the window, if any): [T, size]
+            where = b * size + jnp.arange(size, dtype=jnp.int32)
+            visible.append(seen(where, query_pos[:, None], c.sliding_window))
         top = functools.reduce(jnp.maximum, [
             jnp.max(jnp.where(v, s, -jnp.inf), axis=-1) for s, v in zip(scores, visible)
         ])[..., None]

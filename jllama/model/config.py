@@ -236,10 +236,11 @@ class ModelConfig:
         `TransformerWeights`), added before q/k normalization and RoPE.
       qk_norm: each head's query and key is RMSNorm'd over head_dim with its own gains (Qwen3:
         `q_norm`, `k_norm`, eps `norm_eps`) after the projection and before RoPE.
-      sliding_window: attention sees only the last `sliding_window` positions (Mistral v0.1:
-        4096); 0 for none. jllama's attention is full causal attention, which is the same
-        while every position is within the window: `seq_len` must be at most
-        `sliding_window`, and the readers cap the context there.
+      sliding_window: attention sees only the last `sliding_window` positions, in every layer
+        (Mistral v0.1: 4096); 0 for none. Full causal attention is the same while every
+        position is within the window, so the readers cap the context there unless a longer
+        seq_len is asked for; past it the NumPy reference and the XLA attention mask older
+        positions, and the CPU attention kernel is refused (`jllama.backends`).
       n_experts: a Mixture-of-Experts FFN with this many experts per layer (Qwen3-MoE:
         `ffn_gate_inp` routes each token to `n_experts_per_tok` of them; `hidden_dim` is then
         one expert's width, Hugging Face's moe_intermediate_size); 0 for a dense SwiGLU FFN.
@@ -311,12 +312,6 @@ class ModelConfig:
         window = self.sliding_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ConfigError(f"sliding_window={window!r} must be a non-negative integer")
-        if window and self.seq_len > window:
-            # Full causal attention equals the window's only up to `window` positions.
-            raise ConfigError(
-                f"seq_len={self.seq_len} is past the model's sliding_window={window}: jllama's "
-                f"attention has no sliding window (a context of at most {window} is exact)"
-            )
         self._check_experts()
         check_norm_eps(self.norm_eps)
         check_rope_theta(self.rope_theta)
