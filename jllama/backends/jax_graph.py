@@ -37,7 +37,7 @@ from jllama.backends.jax_prefill import PREFILL_CHUNKS
 from jllama.model.config import ModelConfig
 from jllama.graphs.cache_rows import KERNEL_CACHE_DTYPES
 from jllama.errors import BackendError, ConfigError
-from jllama.model.ggml_matrix import for_xla, is_ggml, repacked
+from jllama.model.ggml_matrix import for_xla, is_ggml
 from jllama.model import weights_cache
 from jllama.model.packing import pack_in_decode_order, place_weights
 from jllama.platform.fetch import jllama_home
@@ -192,7 +192,6 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
             self._split_over_devices(config)
         self.config = config
         self.matvec = self._resolve_matvec(self.matvec)
-        self._check_window(config)
         self._shared_embedding = weights.token_embedding_table is weights.wcls
         # The embedding table stays on the host: one row per token is all a step needs.
         self.token_embedding_table = weights.token_embedding_table
@@ -240,25 +239,6 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
         # ("prefill", size, k) for k cache blocks read.
         self._compiled = {("forward", graphs.attention_blocks(config.seq_len, 0))}
 
-    def _check_window(self, config: ModelConfig) -> None:
-        """Refuse, in one line, a sliding window shorter than the context where this backend
-        would attend past it: the CPU attention kernels and the fused decode program have no
-        window (the graph and loop modes' and prefill's XLA attention mask it).
-
-        Raises:
-          ConfigError: sliding_window < seq_len with matvec "kernel" or decode "fused".
-        """
-        window = config.sliding_window
-        if not window or window >= config.seq_len:
-            return
-        where = ("jllama's CPU attention kernel (matvec='kernel')" if self.matvec == "kernel"
-                 else "decode='fused'" if self.decode == "fused" else None)
-        if where is not None:
-            raise ConfigError(f"sliding_window={window} is shorter than seq_len="
-                              f"{config.seq_len} and {where} has no sliding window: use "
-                              f"matvec='xla' (--matvec=xla) with decode='graph', the numpy "
-                              f"backend, or seq_len <= {window}")
-
     def _check_moe(self) -> None:
         """Refuse, in one line, what a Mixture-of-Experts model does not run on yet: the
         fused and loop decode modes and tensor parallelism (the graph mode's step routes each
@@ -277,36 +257,33 @@ class JaxGraphBackend(CompilePlan, VerifySteps):
     def _place_moe(self, weights: TransformerWeights) -> None:
         """A Mixture-of-Experts model's weights on the device: the graph layout (wqkv
         stacked) with each layer's w1, w2 and w3 a tuple of one matrix per expert (views of the
-        stacked tensor: GGML blocks as stored for the kernels, or in their x8 layout where the
-        kernels have one, a copy of the same bytes; for XLA's products converted as
-        `_place_converted` converts, expert by expert), so a step reads only the routed
-        experts' arrays (`jllama.graphs.moe`)."""
-        host = to_graph_weights(weights)
+        stacked tensor, or for the kernels laid out by `place_weights` as a dense model's
+        matrices are: x8 layouts where the kernels have them, copied on every core, file
+        pages dropped; for XLA's products converted as `_place_converted` converts, expert by
+        expert), so a step reads only the routed experts' arrays (`jllama.graphs.moe`)."""
         n = self.config.n_experts
-        kernel = self.matvec == "kernel"
-        x8 = kernel and kernels.vector_width() >= 8
+        if self.matvec == "kernel":  # as a dense model's, experts planned one by one
+            cache = weights_cache.folder(jllama_home()) if self.weights_cache else None
+            layers, wcls = place_weights(weights, x8=kernels.vector_width() >= 8,
+                                         threads=available_cpus(), cache=cache)
+        else:
+            host = to_graph_weights(weights)
 
-        def held(m):
-            if not is_ggml(m):
-                return m
-            if not kernel:
-                return for_xla(m)
-            # Eight rows at a time where the kernels have that path, as `place_weights` lays
-            # out a dense model's matrices (the same bytes, faster products): a copy.
-            return repacked(m) if x8 else m
+            def held(m):
+                return for_xla(m) if is_ggml(m) else m
 
-        layers = tuple(
-            dataclasses.replace(
-                layer, wqkv=held(layer.wqkv), wo=held(layer.wo),
-                **{name: tuple(held(getattr(layer, name)[e]) for e in range(n))
-                   for name in ("w1", "w2", "w3")},
+            layers = tuple(
+                dataclasses.replace(
+                    layer, wqkv=held(layer.wqkv), wo=held(layer.wo),
+                    **{name: tuple(held(getattr(layer, name)[e]) for e in range(n))
+                       for name in ("w1", "w2", "w3")},
+                )
+                for layer in host.layers
             )
-            for layer in host.layers
-        )
-        wcls = held(host.wcls)
+            wcls = held(host.wcls)
         self._host_wcls = wcls
         self.layers, self.rms_final_weight, self.wcls = jax.device_put(
-            (layers, host.rms_final_weight, wcls), self.device
+            (layers, weights.rms_final_weight, wcls), self.device
         )
 
     def _place_converted(self, weights: TransformerWeights) -> None:

@@ -298,7 +298,8 @@ def place_weights(
 
     Returns:
       (layers, wcls): the graph layout's `LayerWeights` (the norm gains are `weights`' own
-      views) and the classifier. A matrix that is one tensor, needs no other layout and is a
+      views; a Mixture-of-Experts model's w1, w2 and w3 a tuple of one matrix per expert, each
+      planned as a matrix of its own) and the classifier. A matrix that is one tensor, needs no other layout and is a
       64-byte aligned view of a read-only mapped file is kept as that view (not copied:
       `jax.device_put` aliases it); every other is a view of the buffer. The pages of a mapped
       file that were copied from are dropped from the process (they stay in the page cache).
@@ -313,8 +314,13 @@ def place_weights(
     n_layers = weights.rms_att_weight.shape[0]
     plan = _Plan()
     builders = []
+    experts = 0 if weights.ffn_gate_inp is None else weights.ffn_gate_inp.shape[1]
     for l in range(n_layers):
         for name in DECODE_ORDER:
+            if experts and name in ("w1", "w2", "w3"):  # MoE: one matrix per expert
+                stack = getattr(weights, name)[l]
+                builders.append(tuple(_planned(plan, [stack[e]], x8) for e in range(experts)))
+                continue
             matrices = ([weights.wq[l], weights.wk[l], weights.wv[l]] if name == "wqkv"
                         else [getattr(weights, name)[l]])
             builders.append(_planned(plan, matrices, x8))
@@ -327,7 +333,8 @@ def place_weights(
         plan.run(buffer, threads, read)
         if name is not None:
             weights_cache.store(Path(cache), name, buffer)
-    built = iter([build(buffer) for build in builders])
+    built = iter([tuple(b(buffer) for b in build) if isinstance(build, tuple) else build(buffer)
+                  for build in builders])
     layers = tuple(
         LayerWeights(rms_att_weight=weights.rms_att_weight[l], rms_ffn_weight=weights.rms_ffn_weight[l],
                      **{name: next(built) for name in DECODE_ORDER}, **layer_vectors(weights, l))
