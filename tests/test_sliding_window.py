@@ -2,8 +2,9 @@
 `use_sliding_window`, GGUF's `<arch>.attention.sliding_window`): a tiny random
 MistralForCausalLM whose window (8) is shorter than the 24 tokens run, against transformers'
 logits (its eager attention masks key positions <= query position - window), on the NumPy
-reference and the jax backend's XLA attention (graph decode, loop decode, prefill chunks); the
-CPU attention kernel and the fused decode program, which have no window, refused in one line.
+reference and the jax backend's XLA attention (graph, loop and fused decode, prefill chunks),
+which also runs in place of jllama's CPU attention kernels (they have no window) where the window
+is shorter than the context.
 """
 
 from __future__ import annotations
@@ -68,14 +69,29 @@ def test_logits_match_transformers_past_the_window(mistral):
     assert ids == want_ids
 
 
-def test_kernels_and_fused_refused_and_the_default_context_capped(mistral):
+def test_the_kernel_path_and_fused_decode_mask_it_too(mistral):
+    """With jllama's CPU kernels for the products, attention runs in XLA where the window is
+    shorter than the context (the kernels have none): prefill, graph decode, the batched step
+    (`forward` per sequence) and the fused decode program, against transformers."""
+    folder, want, _ = mistral
+    model = read_hf(folder, seq_len=32)
+    kernel = make_backend("jax", matvec="kernel")
+    kernel.prepare(model.config, model.weights)
+    assert not kernel.batch_kernels() and not kernel.batch_xla()
+    got = np.concatenate([kernel.prefill_logits(TOKENS[:12], 0, 0),
+                          [kernel.forward(t, pos) for pos, t in enumerate(TOKENS[12:20], 12)]])
+    held = kernel.use_caches(kernel.new_caches())  # positions 0-19, run on as a batch row
+    row = kernel.decode_batch([TOKENS[20]], [20], [held])
+    assert np.abs(np.concatenate([got, row]) - want[:21]).max() < 1e-4
+    fused = make_backend("jax", matvec="xla", decode="fused")
+    fused.prepare(model.config, model.weights)
+    got = np.stack([fused.forward(t, pos) for pos, t in enumerate(TOKENS)])
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_the_default_context_is_capped_and_mixed_layers_refused(mistral):
     folder, _, _ = mistral
-    assert read_hf(folder).config.seq_len == WINDOW  # exact on every backend
-    config = read_hf(folder, seq_len=32).config
-    for settings in ({"matvec": "kernel"}, {"matvec": "xla", "decode": "fused"}):
-        backend = make_backend("jax", **settings)
-        with pytest.raises(ConfigError, match="sliding_window=8 is shorter than seq_len=32"):
-            backend.prepare(config, read_hf(folder, seq_len=32).weights)
+    assert read_hf(folder).config.seq_len == WINDOW  # without seq_len: exact everywhere
     # Qwen2: the layers from max_window_layers on slide; a mix is capped, not masked.
     edit_config(folder, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                 use_sliding_window=True, max_window_layers=1)

@@ -31,6 +31,7 @@ from jllama import graphs
 from jllama.kernels import batched
 from jllama.backends.base import check_token_pos
 from jllama.backends.jax_state import JaxState
+from jllama.graphs.attention import windowed
 from jllama.graphs.cache_rows import kernel_reads
 from jllama.graphs.batch import BATCH_SIZES, classifier_batch, layer_batch
 from jllama.model.ggml_matrix import embedding_rows
@@ -57,6 +58,8 @@ class BatchSteps(JaxState):
         config = self._prepared("decode_batch")
         if self.matvec != "kernel" or self.tensor_parallel is not None or config.moe:
             return False  # a MoE model: `forward` per sequence (no batched MoE programs yet)
+        if windowed(config):  # the batched kernels' attention has no sliding window
+            return False
         if not kernel_reads(*self._zero_blocks):  # a KV cache type the kernel does not read
             return False
         layer = self.layers[0]
@@ -102,8 +105,7 @@ class BatchSteps(JaxState):
         Mixture-of-Experts model, nor one whose sliding window is shorter than the context
         (`forward` per sequence: its attention masks the window)."""
         config = self._prepared("decode_batch")
-        windowed = 0 < config.sliding_window < config.seq_len
-        return self.matvec == "xla" and not config.moe and not windowed
+        return self.matvec == "xla" and not config.moe and not windowed(config)
 
     def _decode_xla_part(self, pairs, caches) -> np.ndarray:
         """At most max(BATCH_SIZES) sequences through `graphs.decode_batch_step`, then each

@@ -106,6 +106,14 @@ def visible(where: jax.Array, pos: jax.Array, window: int = 0) -> jax.Array:
     return seen & (where > pos - window) if window else seen
 
 
+def windowed(config: ModelConfig) -> bool:
+    """Whether the model's sliding window is shorter than its context, so that attention
+    must mask the positions before it: jllama's CPU attention kernels have no window, and
+    XLA's attention (this module's, `jllama.graphs.prefill`'s, `jllama.graphs.fused`'s) runs
+    in their place."""
+    return 0 < config.sliding_window < config.seq_len
+
+
 def causal_softmax(scores: jax.Array, pos: jax.Array, window: int = 0) -> jax.Array:
     """Softmax over the last axis (cache positions) of `scores`, positions after `pos` masked
     out (causal attention), and with a sliding `window` (static) those before its start.
@@ -120,10 +128,11 @@ def attend(config: ModelConfig, q: jax.Array, key_blocks, value_blocks, pos: jax
     """The attention formula over blocks (traced; shared by the programs): q: f32[n_heads,
     head_dim], blocks as in `attention` -> f32[q_dim]. matvec="kernel": jllama's CPU kernel
     (`jllama.kernels.attention`), which reads positions 0 .. pos only, where it takes the
-    blocks' type (`cache_rows.kernel_reads`)."""
+    blocks' type (`cache_rows.kernel_reads`) and the model has no window to mask
+    (`windowed`)."""
     c = config
     qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
-    if matvec == "kernel" and kernel_reads(key_blocks[0], value_blocks[0]):
+    if matvec == "kernel" and not windowed(c) and kernel_reads(key_blocks[0], value_blocks[0]):
         return kernels.attention(qg, key_blocks, value_blocks, pos).reshape(c.q_dim)
     scores = block_scores(qg, key_blocks, "gmd,gsd->gms") / jnp.sqrt(jnp.float32(c.head_dim))
     weights = causal_softmax(scores, pos, c.sliding_window)
@@ -140,7 +149,7 @@ def attend_current(
     c = config
     size = key_cur.shape[1]
     qg = q.reshape(c.n_kv_heads, c.kv_mul, c.head_dim)
-    if matvec == "kernel" and kernel_reads(key_cur, value_cur):
+    if matvec == "kernel" and not windowed(c) and kernel_reads(key_cur, value_cur):
         return kernels.attention(
             qg, key_blocks, value_blocks, pos, cur, key_cur, value_cur
         ).reshape(c.q_dim)

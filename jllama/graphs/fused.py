@@ -64,7 +64,7 @@ def attend_new_position(
     here = jnp.arange(scores.shape[-1]) == pos
     own = jnp.einsum("gmd,gd->gm", qg, k_read, precision=PRECISION) / scale
     scores = jnp.where(here, own[..., None], scores)
-    weights = causal_softmax(scores, pos)
+    weights = causal_softmax(scores, pos, c.sliding_window)
     own_weight = jnp.sum(jnp.where(here, weights, 0), axis=-1)  # [g, m]
     att = block_weighted_sum(jnp.where(here, 0, weights), value_blocks,
                              "gms,gsd->gmd") + own_weight[..., None] * v_read[:, None, :]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jllama import kernels
 from jllama.model.config import ModelConfig
 from jllama.graphs.attention import visible as seen
+from jllama.graphs.attention import windowed
 from jllama.graphs.attention import write_positions
 from jllama.graphs.cache_rows import decode, kernel_reads
 from jllama.graphs.classifier import classifier
@@ -137,8 +138,9 @@ def attention_chunk(
       pos: int32 scalar; pos + T <= k * block_length.
       matvec: static; "kernel": jllama's CPU kernel (`jllama.kernels.attention_chunk`, which
         reads only the keys each token sees) where `jllama.kernels.attention_chunk_fits`
-        the shapes and it takes the blocks' type (`jllama.graphs.cache_rows.kernel_reads`),
-        else XLA's version below.
+        the shapes and it takes the blocks' type (`jllama.graphs.cache_rows.kernel_reads`)
+        and the model has no window to mask (`jllama.graphs.attention.windowed`), else XLA's
+        version below.
 
     Returns:
       att: f32[T, q_dim].
@@ -152,7 +154,7 @@ def attention_chunk(
     """
     c = config
     t = q.shape[0]
-    if (matvec == "kernel" and kernel_reads(key_blocks[0], value_blocks[0])
+    if (matvec == "kernel" and not windowed(c) and kernel_reads(key_blocks[0], value_blocks[0])
             and kernels.attention_chunk_fits(c.head_dim, key_blocks[0].shape[1])):
         return kernels.attention_chunk(q, key_blocks, value_blocks, pos)
     with jax.named_scope("attention_chunk"):
