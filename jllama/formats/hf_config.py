@@ -24,8 +24,8 @@ config.json keys read (transformers' `LlamaConfig`; defaults are LlamaConfig's):
   `use_sliding_window` (Qwen, whose layers from `max_window_layers` on slide, as transformers'
   Qwen2Config) or a non-null `sliding_window` (Mistral, whose default is 4096) ->
   sliding_window; without a seq_len the context is capped at the window (exact on every
-  backend); a longer seq_len asked for is masked where a backend can
-  (`ModelConfig.sliding_window`), and refused where some layers slide and others do not,
+  backend); a longer seq_len asked for is kept and masked (`ModelConfig.sliding_window`),
+  and refused where some layers slide and others do not,
   RoPE: `rope_scaling` (transformers 4) or else `rope_parameters` (transformers 5, which moved
   rope_theta into it). The type is `rope_type` (or the older `type`): "default"/absent is plain
   RoPE; "linear" needs `factor`; "llama3" needs `factor`, `low_freq_factor`,

@@ -239,8 +239,9 @@ class ModelConfig:
       sliding_window: attention sees only the last `sliding_window` positions, in every layer
         (Mistral v0.1: 4096); 0 for none. Full causal attention is the same while every
         position is within the window, so the readers cap the context there unless a longer
-        seq_len is asked for; past it the NumPy reference and the XLA attention mask older
-        positions, and the CPU attention kernel is refused (`jllama.backends`).
+        seq_len is asked for; past it attention masks older positions (the NumPy reference,
+        and XLA's attention, which runs in place of the CPU attention kernels: they have no
+        window, `jllama.graphs.attention.windowed`).
       n_experts: a Mixture-of-Experts FFN with this many experts per layer (Qwen3-MoE:
         `ffn_gate_inp` routes each token to `n_experts_per_tok` of them; `hidden_dim` is then
         one expert's width, Hugging Face's moe_intermediate_size); 0 for a dense SwiGLU FFN.
