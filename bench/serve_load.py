@@ -36,9 +36,11 @@ PROMPTS = ["Once upon a time", "Tom had a dog", "The sun was hot", "Lily saw a b
 
 
 def start_server(checkpoint: str | None, seq_len: int = 0, dtype: str | None = None,
-                 parallel: int = 1, max_waiting: int = 256) -> tuple[subprocess.Popen, str, str]:
-    """`jllama serve --port=0` with these flags (None / 0: its defaults), its start-up lines
-    echoed to stderr; (process, base URL ending in /v1, the model's name) once it serves."""
+                 parallel: int = 1, max_waiting: int = 256, extra: tuple[str, ...] = (),
+                 env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`jllama serve --port=0` with these flags (None / 0: its defaults) and the `extra` ones,
+    in `env` (None: this process's), its start-up lines echoed to stderr; (process, base URL
+    ending in /v1, the model's name) once it serves."""
     script = Path(sys.executable).parent / "jllama"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "jllama"]
     command += ["serve", "--port=0", f"--max_waiting={max_waiting}", f"--parallel={parallel}"]
@@ -48,7 +50,8 @@ def start_server(checkpoint: str | None, seq_len: int = 0, dtype: str | None = N
         command.append(f"--seq_len={seq_len}")
     if dtype:
         command.append(f"--dtype={dtype}")
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    command += list(extra)
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         line = process.stderr.readline()

@@ -160,12 +160,16 @@ class BatchDecode(Protocol):
                      caches: Sequence[object]) -> np.ndarray:
         """Logits f32[B, vocab_size]: row b is what `forward(tokens[b], positions[b])`
         returns on caches[b] (from `new_caches`), and caches[b] is updated as that forward
-        would; the caches in use stay in use."""
+        would; the caches in use stay in use. Bit for bit on jllama's CPU kernels
+        (`batch_kernels`); the jax backend's XLA program for the batch (matvec="xla")
+        gives forward's logits and cache rows to float rounding (its products are matrix
+        products), the same bits for a row whatever its neighbours in one batch size."""
         ...
 
     def batch_kernels(self) -> bool:
         """Whether `decode_batch` runs jllama's CPU kernels (so the rows' tokens may be drawn
-        by `jllama.kernels.batched.sample_batch` too); else `forward` per sequence."""
+        by `jllama.kernels.batched.sample_batch` too); else one XLA program for the batch
+        (the jax backend with matvec="xla") or `forward` per sequence."""
         ...
 
 

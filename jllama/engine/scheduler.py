@@ -16,8 +16,11 @@ only the rest (llama.cpp's `cache_prompt`, vLLM's prefix caching); `Stream.cache
 how many were reused (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
 Each request runs its own `Generation` in its own slot, with its own sampler and random
-state; the batched step's row for it has the bits of its forward alone (`BatchDecode`), so its
-tokens are the same alone or beside others, bit for bit.
+state; on jllama's CPU kernels the batched step's row for it has the bits of its forward alone
+(`BatchDecode`), so its tokens are the same alone or beside others, bit for bit. With XLA's
+products (`--matvec=xla`, GPUs, a mesh) the row equals its forward to float rounding (greedy
+tokens the same unless two logits tie within it; a sampled draw can differ where its coin
+lands within that rounding of a boundary).
 """
 
 from __future__ import annotations
