@@ -185,6 +185,11 @@ def test_batched_and_verification_steps_equal_forward(f32_gguf):
             assert _max_diff(rows[b], want) < 1e-4
     backend.use_caches(backend.new_caches())
     assert _max_diff(backend.verify(TOKENS[:4], 0), ORACLE["qwen3moe"][:4]) < 1e-4
+    # A generation's decode mode: auto never picks the device loop for a MoE model.
+    from jllama.generation.device_loop import decode_mode
+    from jllama.sampling import SamplerConfig
+
+    assert decode_mode("auto", backend, SamplerConfig(temperature=0.0), padded=False) == "graph"
 
 
 def test_refusals_in_one_line(hf_model, f32_gguf):
