@@ -124,6 +124,19 @@ def test_a_narrow_kv_cache_type():
     assert batched[0][0][0][0].dtype == np.float16
 
 
+def test_the_cache_blocks_are_written_in_place(gqa_xla):
+    """Each sequence's current block is donated to `write_caches` and written where it lies
+    (no copy of a block per step)."""
+    b = gqa_xla
+    caches = _prefilled(b, [[1] * 257, [2] * 257])
+    blocks = [c[side][l][1] for c in caches for side in (0, 1) for l in range(GQA.n_layers)]
+    pointers = [blk.unsafe_buffer_pointer() for blk in blocks]
+    b.decode_batch([3, 4], [257, 257], caches)
+    now = [c[side][l][1] for c in caches for side in (0, 1) for l in range(GQA.n_layers)]
+    assert all(old.is_deleted() for old in blocks)
+    assert [blk.unsafe_buffer_pointer() for blk in now] == pointers
+
+
 def test_row_does_not_depend_on_neighbours_in_a_batch_size(gqa_xla):
     """The same sequence beside 2 and then 3 other sequences (batch size 4 both times): the
     same bits."""
