@@ -96,6 +96,24 @@ def test_qwen3_calls_as_tool_calls_streamed_and_not(client, parallel):
         ("add", {"a": 2, "b": 2})]
 
 
+def test_auto_streamed_and_not_agree(client):
+    """tool_choice "auto": whatever the random model writes (text, or text and calls), the
+    stream's pieces join to the whole reply's content and calls."""
+    whole = _call(client, tool_choice="auto").choices[0]
+    content, calls, finish = "", {}, None
+    for chunk in _call(client, stream=True, tool_choice="auto"):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for item in choice.delta.tool_calls or []:
+            calls.setdefault(item.index, [item.function.name, ""])[1] += (
+                item.function.arguments or "")
+        finish = choice.finish_reason or finish
+    assert finish == whole.finish_reason
+    assert content == (whole.message.content or "")
+    assert [calls[k] for k in sorted(calls)] == [
+        [c.function.name, c.function.arguments] for c in whole.message.tool_calls or []]
+
+
 def test_a_call_and_its_result_go_back_through_the_template(served, client):
     model, _ = served
     call = {"id": "call_1", "type": "function",
@@ -171,14 +189,21 @@ def test_hermes_grammars_and_reader(served):
     assert not matches(required, one.replace("add", "sub"))
     assert not matches(required, one.replace('"b": 2', '"b": 3'))
     assert matches(auto, "Four.") and matches(auto, two) and matches(auto, "\nFour.")
+    assert matches(auto, "Adding.\n" + two) and matches(auto, "Four <tool_call")
     assert not matches(auto, one.replace("add", "sub"))
-    assert matches(apart, "Four.") and matches(apart, one)
+    assert not matches(auto, "Adding.\n" + one.replace("add", "sub"))
+    assert matches(apart, "Four.") and matches(apart, one) and matches(apart, "Adding. " + one)
     assert not matches(apart, " Four.") and not matches(apart, "<think>x</think>")
+    assert not matches(apart, " " + one)
 
-    for text, expect_call in [(two, True), (two, False), ("Four <tool_call>", False)]:
+    cases = [(two, True, ""), (two, False, ""), ("Adding.\n" + two, False, "Adding."),
+             ("Four <tool_call>", False, None), ("Four <tool_call", False, None)]
+    for text, expect_call, content in cases:
         reply = HermesToolReply(expect_call)
         deltas = [d for ch in text for d in reply.deltas(ch)] + reply.final_deltas()
-        if text == two:
+        if content is not None:
+            assert "".join(d.get("content", "") for d in deltas) == content
+            deltas = [d for d in deltas if "tool_calls" in d]
             assert [c["function"]["name"] for c in reply.calls] == ["add", "now"]
             assert [c["function"]["arguments"] for c in reply.calls] == [
                 '{"a": 2, "b": 2}', "{}"]
@@ -192,3 +217,5 @@ def test_hermes_grammars_and_reader(served):
     cut = HermesToolReply(True)
     assert cut.message('<tool_call>\n{"na') == {"role": "assistant",
                                                  "content": '<tool_call>\n{"na'}
+    both = HermesToolReply(False).message("Adding.\n" + one)
+    assert both["content"] == "Adding." and len(both["tool_calls"]) == 1

@@ -190,21 +190,24 @@ class ToolCallReader:
 
 
 class HermesToolReply(TextReply):
-    """A reply with tools offered to a model that writes Hermes' (Qwen's) format: free text, or
-    one or more `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` blocks joined by
-    whitespace, as `tool_calls` items 0, 1, ... (their arguments streamed as they come).
+    """A reply with tools offered to a model that writes Hermes' (Qwen's) format: text, then
+    (or only) one or more `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` blocks
+    joined by newlines, as `content` and `tool_calls` items 0, 1, ... (their arguments streamed
+    as they come). As vLLM's hermes parser, the text before the first block is the content
+    (here without the whitespace that ends it).
 
     Args:
       expect_call: the grammar makes the reply calls (tool_choice "required" or named).
     """
 
     def __init__(self, expect_call: bool):
-        self.is_calls: bool | None = True if expect_call else None
+        self.in_calls = expect_call  # past the text: the blocks have begun
         self.calls: list[dict] = []
         """The calls read so far, as `tool_calls` items."""
         self._reader: ToolCallReader | None = None  # the open call's
         self._buffer = ""
         self._closing = False  # after a call's arguments, before its `</tool_call>`
+        self._gap = ""  # the whitespace between the text and the first block
 
     @property
     def is_call(self) -> bool:
@@ -226,18 +229,25 @@ class HermesToolReply(TextReply):
                                             "function": {"arguments": value}}]})
         return out
 
+    def _text_deltas(self) -> list[dict]:
+        """The text before the blocks: given out up to a possible start of `<tool_call>` or
+        whitespace that may end it (held until known)."""
+        at = self._buffer.find(_TAG)
+        if at >= 0:
+            text = self._buffer[:at].rstrip()
+            self._gap = self._buffer[len(text):at]  # given back if no call follows
+            self._buffer = self._buffer[at:]
+            self.in_calls = True
+        else:
+            cut = len(self._buffer) - _held_prefix(self._buffer, _TAG)
+            text = self._buffer[:cut].rstrip()
+            self._buffer = self._buffer[len(text):]
+        return [{"content": text}] if text else []
+
     def deltas(self, text: str, tokens: int = 1) -> list[dict]:
         self._buffer += text
-        if self.is_calls is None:
-            tag = HERMES_OPEN.rstrip()  # what "auto"'s text may not start with
-            if not self._buffer.startswith(tag) and tag.startswith(self._buffer):
-                return []  # may still open a block
-            self.is_calls = self._buffer.startswith(tag)
-        if not self.is_calls:
-            out, self._buffer = self._buffer, ""
-            return [{"content": out}] if out else []
-        out: list[dict] = []
-        while self._buffer:
+        out = [] if self.in_calls else self._text_deltas()
+        while self.in_calls and self._buffer:
             if self._closing:
                 end = self._buffer.find(HERMES_CLOSE.lstrip())
                 if end < 0:
@@ -261,21 +271,34 @@ class HermesToolReply(TextReply):
     def final_deltas(self) -> list[dict]:
         if self.calls:
             return []
-        out, self._buffer = self._buffer, ""  # cut short before a name: the text is content
+        # Cut short before a call's name: what was held is content.
+        out, self._buffer = self._buffer, ""
         if self._reader is not None:
             out = HERMES_OPEN + "".join(text for _, text in self._reader.finish())
+        out = self._gap + out
         return [{"content": out}] if out else []
 
     def message(self, text: str) -> dict:
         deltas = self.deltas(text) + self.final_deltas()
+        content = "".join(d.get("content", "") for d in deltas)
         if not self.calls:
-            return {"role": "assistant",
-                    "content": "".join(d.get("content", "") for d in deltas)}
-        return {"role": "assistant", "content": None,
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content or None,
                 "tool_calls": [json.loads(json.dumps(call)) for call in self.calls]}
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if self.calls and reason == "stop" else reason
+
+
+_TAG = HERMES_OPEN.rstrip()  # "<tool_call>"
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag` (0: none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
 
 
 def tool_reply(call_format: str, expect_call: bool) -> TextReply:

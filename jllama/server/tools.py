@@ -27,8 +27,8 @@ Qwen2.5's and Qwen3's templates (and Hermes 2 Pro's, whose format they took) ask
 format, "hermes" in vLLM's and llama.cpp's parser names, chosen where the template writes
 `<tool_call>` (`call_format`): each call a block `<tool_call>\n{"name": NAME, "arguments":
 ARGUMENTS}\n</tool_call>`, blocks joined by "\n" (several calls unless parallel_tool_calls is
-false), read by `jllama.server.tool_reply.HermesToolReply`. Its "auto" is `start: TEXT | calls`,
-TEXT any text that does not start with `<tool_call>`.
+false), read by `jllama.server.tool_reply.HermesToolReply`. Its "auto" is text without
+`<tool_call>`, or text (possibly none) then the blocks, as vLLM's hermes parser reads a reply.
 """
 
 from __future__ import annotations
@@ -190,19 +190,24 @@ def call_grammar(tools: list[dict], mode: str, name: str | None = None, *,
 
 def _hermes_grammar(tools: list[dict], mode: str, think_apart: bool,
                     parallel: bool) -> Grammar:
-    """`call_grammar` for "hermes": one `<tool_call>` block (or several joined by "\n"), or with
-    "auto" a text that does not start with one (nor, think_apart, with whitespace or
-    `<think>`)."""
+    """`call_grammar` for "hermes": one `<tool_call>` block (or several joined by "\n"); with
+    "auto" a text without `<tool_call>`, or one that leads to the blocks (the `lead` rule is
+    lazy: it ends at the first `<tool_call>\n`); think_apart: neither starts with whitespace
+    or `<think>`."""
     schema = _call_schema(tools, "arguments")
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    rules = (f"calls: {calls}\n"
-             f"call: {json.dumps(HERMES_OPEN)} %json {json.dumps(schema)} "
-             f"{json.dumps(HERMES_CLOSE)}\n")
+    more = " more*" if parallel else ""
+    rules = (f"body: %json {json.dumps(schema)} {json.dumps(HERMES_CLOSE)}\n"
+             f"more: \"\\n\" {json.dumps(HERMES_OPEN)} body\n")
     if mode == "auto":
-        text = "/[^\\s](.|\\n)*/ & ~/<think>(.|\\n)*/" if think_apart else "/(.|\\n)+/"
-        rules = f"start: TEXT | calls\nTEXT: {text} & ~/<tool_call>(.|\\n)*/\n" + rules
+        if think_apart:
+            text = "/[^\\s](.|\\n)*/ & ~/<think>(.|\\n)*/"
+            lead = "/([^\\s](.|\\n)*)?<tool_call>\\n/ & ~/<think>(.|\\n)*/"
+        else:
+            text, lead = "/(.|\\n)+/", "/(.|\\n)*<tool_call>\\n/"
+        rules = (f"start: TEXT | lead body{more}\nlead[lazy]: {lead}\n"
+                 f"TEXT: {text} & ~/(.|\\n)*<tool_call>(.|\\n)*/\n" + rules)
     else:
-        rules = "start: calls\n" + rules
+        rules = f"start: {json.dumps(HERMES_OPEN)} body{more}\n" + rules
     try:
         return Grammar.of("lark", rules)
     except GrammarError as e:
