@@ -11,8 +11,9 @@ CI), then, with --quantize (llama.cpp's llama-quantize), Q8_0 copies:
   - dense: the same attention, and one SwiGLU FFN of width top_k * expert width (1024), so a
     token multiplies the same number of FFN weights (the MoE adds its router, 128 x dim).
 
-Each is run by the jax backend (its default CPU path: the kernels), a few prompt tokens and
-`--warmup` untimed decode steps, then `--tokens` decode steps timed, alternating moe / dense for `--rounds`; one JSON line per run:
+Each is run by the jax backend (its default CPU path: the kernels): a prefill of `--prompt`
+random tokens timed (after one that compiles), then a few prompt tokens and `--warmup`
+untimed decode steps, then `--tokens` decode steps timed, alternating moe / dense for `--rounds`; one JSON line per run:
 
     python bench/moe_speed.py [--quantize=/path/to/llama-quantize] [--tokens=64 --rounds=2]
 
@@ -152,6 +153,13 @@ def decode_rate(path: Path, args) -> dict:
     model = open_model(path, seq_len=args.context)
     backend = make_backend("jax")
     backend.prepare(model.config, model.weights)
+    long = [int(t) for t in np.random.default_rng(1).integers(1, args.vocab, args.prompt)]
+    backend.prefill(long, 0)  # compiles the chunk programs
+    backend.use_caches(backend.new_caches())
+    start = time.perf_counter()
+    backend.prefill(long, 0)
+    prefill_seconds = time.perf_counter() - start
+    backend.use_caches(backend.new_caches())
     prompt = list(range(1, 9))
     logits = backend.prefill(prompt, 0)
     token, pos = int(np.argmax(logits)), len(prompt)
@@ -171,7 +179,8 @@ def decode_rate(path: Path, args) -> dict:
         "active_ffn_params": ffn * (c.n_experts_per_tok if c.moe else 1),
         "total_params": c.n_params(), "warmup_tokens": args.warmup,
         "decode_tokens": args.tokens,
-        "decode_tok_s": round(args.tokens / seconds, 2),
+        "decode_tok_s": round(args.tokens / seconds, 2), "prefill_tokens": args.prompt,
+        "prefill_tok_s": round(args.prompt / prefill_seconds, 1),
     }
 
 
@@ -190,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantize", type=Path, help="llama-quantize: run Q8_0 copies")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=64, help="prefill tokens timed")
     parser.add_argument("--warmup", type=int, default=32, help="untimed decode steps first")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
