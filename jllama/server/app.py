@@ -111,7 +111,9 @@ def create_app(engine: Engine, model_id: str, max_body_bytes: int = MAX_BODY_BYT
     if model.chat_template:
         template = ChatTemplate.for_tokenizer(model.chat_template, tokenizer, source=model.source)
     renders_tools = template is not None and template_renders_tools(template)
-    calls_as = call_format(template)  # how the model writes a call
+    # How the model writes a call (a template that does not render the tools gets Llama 3.1's
+    # instructions, and so its format).
+    calls_as = call_format(template) if renders_tools else "llama3"
     parses_reasoning(reasoning_format, None)  # a bad format fails here, not at a request
     server_kwargs = dict(chat_template_kwargs or {})
 
