@@ -215,3 +215,37 @@ def test_refusals_in_one_line(hf_model, f32_gguf):
         config_from_metadata(meta, "m.gguf")
     with pytest.raises(ConfigError, match="n_experts_per_tok=9 must be in 1..n_experts=8"):
         dataclasses.replace(model.config, n_experts_per_tok=9)
+
+
+def test_fused_expert_tensors_of_transformers_5(hf_model, tmp_path):
+    """A folder holding transformers 5's fused expert tensors (mlp.experts.gate_up_proj
+    [E, 2 * hidden, dim], gate rows first, and mlp.experts.down_proj [E, dim, hidden]) reads
+    to the same weights and logits as the per-expert tensors save_pretrained writes."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder, want = hf_model
+    fused = tmp_path / "fused"
+    shutil.copytree(folder, fused)
+    tensors = load_file(fused / "model.safetensors")
+    for layer in range(MOE_SPEC.config["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts."
+        parts = {name: np.stack([tensors.pop(f"{p}{e}.{name}.weight") for e in range(8)])
+                 for name in ("gate_proj", "up_proj", "down_proj")}
+        tensors[p + "gate_up_proj"] = np.concatenate([parts["gate_proj"], parts["up_proj"]], 1)
+        tensors[p + "down_proj"] = parts["down_proj"]
+    save_file(tensors, fused / "model.safetensors")
+    model = read_hf(fused, seq_len=SEQ_LEN)
+    per_expert = read_hf(folder, seq_len=SEQ_LEN)
+    for name in ("w1", "w2", "w3"):
+        assert np.array_equal(getattr(model.weights, name), getattr(per_expert.weights, name))
+    backend = make_backend("numpy")
+    backend.prepare(model.config, model.weights)
+    got = np.stack([backend.forward(t, pos) for pos, t in enumerate(TOKENS[:6])])
+    assert _max_diff(got, want[:6]) < 1e-4
+    del tensors["model.layers.1.mlp.experts.down_proj"]
+    save_file(tensors, fused / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing tensor model.layers.1.mlp.experts.0."
+                                              "down_proj.weight"):
+        read_hf(fused, seq_len=SEQ_LEN)
