@@ -69,7 +69,7 @@ def test_noenable_thinking_reaches_the_template(thinking_model):
 def test_serve_flags(thinking_model):
     """`jllama serve --reasoning_format=none --noenable_thinking`: replies keep their tags in
     the content, and the template gets enable_thinking false unless a request says otherwise."""
-    import openai
+    from serving import openai_client
 
     process = subprocess.Popen(
         jllama_command() + ["serve", "--port=0", f"--checkpoint={thinking_model}",
@@ -84,7 +84,7 @@ def test_serve_flags(thinking_model):
                 url = lines[-1].split(" at ")[1].split()[0]
                 break
         assert url, lines
-        with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120) as client:
+        with openai_client(url) as client:
             def ask(**extra):
                 return client.chat.completions.create(
                     model=thinking_model.name, messages=[{"role": "user", "content": "Hi"}],

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from serving import openai_client
 from test_cli import jllama_command, run
 
 from jllama.backends import make_backend
@@ -46,9 +47,7 @@ def server(model):
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(
-        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
-    ) as c:
+    with openai_client(server, api_key="unused", timeout=TIMEOUT) as c:
         yield c
 
 
@@ -301,8 +300,7 @@ def test_32_concurrent_streams_get_the_text_they_get_alone(server, client):
 
     def one(i: int) -> None:
         try:
-            with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                               timeout=TIMEOUT) as c:
+            with openai_client(server, timeout=TIMEOUT) as c:
                 barrier.wait()
                 results[i] = "".join(
                     chunk.choices[0].text
@@ -509,7 +507,7 @@ def test_jllama_serve_command():
                 url = line.split(" at ")[1].split()[0]
                 break
         assert url, lines
-        with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=TIMEOUT) as c:
+        with openai_client(url, timeout=TIMEOUT) as c:
             got = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
         assert got.choices[0].text == cli_generate(PROMPT, 8, "--temperature=0")["text"]
         port = url.split(":")[2].split("/")[0]

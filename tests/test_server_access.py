@@ -14,13 +14,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from serving import openai_client, serve
 from test_cli import jllama_command, run
 
 from jllama import __version__
-from jllama.backends import make_backend
 from jllama.errors import JllamaError
-from jllama.model.loading import open_model
-from jllama.server import ServerThread
 from jllama.server.access import parse_api_keys
 
 LLAMA32_TINY = Path(__file__).parent / "data" / "llama32_tiny" / "hf"
@@ -31,10 +29,7 @@ PROMPT = "Once upon a time"
 
 
 def _server(path=None, **options):
-    model = open_model(path, seq_len=256)
-    backend = make_backend("jax")
-    backend.prepare(model.config, model.weights)
-    return ServerThread(model, backend, "m", **options)
+    return serve(path, seq_len=256, **options)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +45,7 @@ def tiny():
 
 
 def _client(url, key):
-    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
+    return openai_client(url, api_key=key, timeout=60)
 
 
 def test_the_right_key_works_and_another_raises(locked):

@@ -20,9 +20,9 @@ import json
 import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
-from test_server_structured import LLAMA32_TINY, SCHEMA_OF, TOOLS, _serve
+from serving import openai_client, serve
+from test_server_structured import LLAMA32_TINY, SCHEMA_OF, TOOLS
 
 GREEDY = {"temperature": 0.0, "cache_prompt": False}  # every reply as a fresh run's
 # The tools in chat's shape and in Anthropic's (name, description, input_schema).
@@ -50,7 +50,7 @@ CHAT_MESSAGES = [
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["fifo", "slots"])
 def server(request):
-    with _serve(LLAMA32_TINY, request.param) as running:
+    with serve(LLAMA32_TINY, request.param) as running:
         yield running
 
 
@@ -63,8 +63,7 @@ def client(server):
 
 @pytest.fixture()
 def chat(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                       timeout=300) as client:
+    with openai_client(server, timeout=300) as client:
         def create(messages, **kwargs):
             return client.chat.completions.create(
                 model="m", messages=messages, temperature=0.0,

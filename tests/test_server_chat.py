@@ -8,6 +8,7 @@ import subprocess
 
 import openai
 import pytest
+from serving import openai_client
 from test_cli import REPO, jllama_command
 
 from jllama.backends import prepared_backend
@@ -30,7 +31,7 @@ def server(smollm2_gguf):
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+    with openai_client(server) as c:
         yield c
 
 

@@ -16,34 +16,23 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from serving import openai_client, serve
 
-from jllama.backends import make_backend
-from jllama.model.loading import open_model
-from jllama.server import ServerThread
 
 LLAMA32_TINY = Path(__file__).parent / "data" / "llama32_tiny" / "hf"
 PROMPT = "Once upon a time"
 ASK = [{"role": "user", "content": "Tell me a story."}]
 
 
-def _client(path, parallel, seq_len):
-    model = open_model(path, seq_len=seq_len)
-    backend = make_backend("jax")
-    backend.prepare(model.config, model.weights)
-    return ServerThread(model, backend, "m", parallel=parallel)
-
-
 @pytest.fixture(scope="module", params=[1, 3], ids=["fifo", "slots"])
 def stories(request):
-    with _client(None, request.param, 256) as running, openai.OpenAI(
-            base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+    with serve(None, request.param, 256) as running, openai_client(running) as client:
         yield client
 
 
 @pytest.fixture(scope="module", params=[1, 3], ids=["fifo", "slots"])
 def tiny(request):
-    with _client(LLAMA32_TINY, request.param, 512) as running, openai.OpenAI(
-            base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+    with serve(LLAMA32_TINY, request.param, 512) as running, openai_client(running) as client:
         yield client
 
 
@@ -136,7 +125,7 @@ def test_a_request_the_queue_cannot_hold_whole_runs_no_choice():
     """max_waiting=1 on the one-at-a-time worker: choice 0 runs (or waits), the next one waits
     (or is refused), the one after is refused; the request gets the 503 and its choices already
     queued are cancelled, none completed."""
-    with _client(None, 1, 256) as running, httpx.Client(timeout=120) as http:
+    with serve(None, 1, 256) as running, httpx.Client(timeout=120) as http:
         running.engine.max_waiting = 1
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "n": 4}
         reply = http.post(running.url + "/v1/completions", json=body)

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 import anthropic
-import openai
 import pytest
+from serving import openai_client
 
 from jllama.backends import make_backend
 from jllama.chat import ChatTemplate
@@ -49,8 +49,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=served[1].url + "/v1", api_key="x", max_retries=0,
-                       timeout=120) as c:
+    with openai_client(served[1]) as c:
         yield c
 
 

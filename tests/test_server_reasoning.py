@@ -22,6 +22,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
+from serving import openai_client
 
 from jllama.backends import make_backend
 from jllama.model.loading import open_model
@@ -64,15 +65,13 @@ def qwen3(tmp_path_factory):
     model = open_model(path, seq_len=128)
     backend = make_backend("jax")
     backend.prepare(model.config, model.weights)
-    with ServerThread(model, backend, "qwen3") as running, openai.OpenAI(
-            base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+    with ServerThread(model, backend, "qwen3") as running, openai_client(running) as c:
         yield c
 
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                       timeout=120) as c:
+    with openai_client(server) as c:
         yield c
 
 

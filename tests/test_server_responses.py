@@ -17,7 +17,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server_structured import LLAMA32_TINY, SCHEMA_OF, TOOLS, _serve
+from serving import openai_client, serve
+from test_server_structured import LLAMA32_TINY, SCHEMA_OF, TOOLS
 
 GREEDY = {"temperature": 0.0}
 FRESH = {"cache_prompt": False}  # every reply as a fresh run's, bit for bit
@@ -52,14 +53,13 @@ MESSAGES = [
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["fifo", "slots"])
 def server(request):
-    with _serve(LLAMA32_TINY, request.param) as running:
+    with serve(LLAMA32_TINY, request.param) as running:
         yield running
 
 
 @pytest.fixture()
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                       timeout=300) as client:
+    with openai_client(server, timeout=300) as client:
         yield client
 
 

@@ -8,8 +8,8 @@ import asyncio
 import time
 
 import httpx
-import openai
 import pytest
+from serving import openai_client
 
 from jllama.backends import make_backend
 from jllama.model.loading import open_model
@@ -48,8 +48,7 @@ def test_concurrent_seeded_requests_equal_each_alone(server):
 
 
 def test_a_repeated_prefix_is_served_from_a_slot_and_reported(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                           timeout=TIMEOUT)
+    client = openai_client(server, timeout=TIMEOUT)
     prompt = "Once upon a time, there was a little girl named Lily. She loved to play"
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     again = client.completions.create(model=MODEL, prompt=prompt + " outside", max_tokens=4,

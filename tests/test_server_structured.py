@@ -21,9 +21,7 @@ import pytest
 import tokenizers
 from constrain_cases import SCHEMAS
 
-from jllama.backends import make_backend
-from jllama.model.loading import open_model
-from jllama.server import ServerThread
+from serving import openai_client, serve
 
 LLAMA32_TINY = Path(__file__).parent / "data" / "llama32_tiny" / "hf"
 ASK = [{"role": "user", "content": "Reply with JSON."}]
@@ -57,26 +55,17 @@ TOOLS = [WEATHER, ADD]
 SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-def _serve(path, parallel):
-    model = open_model(path, seq_len=1024)
-    backend = make_backend("jax")
-    backend.prepare(model.config, model.weights)
-    return ServerThread(model, backend, "m", parallel=parallel)
-
-
 @pytest.fixture(scope="module", params=[1, 4], ids=["fifo", "slots"])
 def smollm2(request, smollm2_gguf):
-    with _serve(smollm2_gguf, request.param) as running:
-        with openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0,
-                           timeout=300) as client:
+    with serve(smollm2_gguf, request.param) as running:
+        with openai_client(running, timeout=300) as client:
             yield client
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["fifo", "slots"])
 def tiny(request):
-    with _serve(LLAMA32_TINY, request.param) as running:
-        with openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0,
-                           timeout=300) as client:
+    with serve(LLAMA32_TINY, request.param) as running:
+        with openai_client(running, timeout=300) as client:
             yield client
 
 

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
+from serving import openai_client
 
 from jllama.backends import make_backend
 from jllama.model.loading import open_model
@@ -140,7 +140,7 @@ def test_the_page_is_served_at_the_root(server):
         # Nothing from elsewhere: the machine serving it may be offline.
         assert "http://" not in reply.text and "https://" not in reply.text
     # The model card's context, an extra field the openai client keeps.
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+    with openai_client(server) as client:
         card = client.models.list().data[0]
     assert card.id == MODEL and card.context_length == CONTEXT
 
