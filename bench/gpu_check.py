@@ -156,7 +156,9 @@ def decode_rates(report: Report, backend, config: ModelConfig, label: str, args)
         seconds = time.perf_counter() - start
         report.line(section="decode", model=label, batch=b, steps=steps,
                     tok_s=round(b * steps / seconds, 1), step_ms=round(seconds / steps * 1e3, 2),
-                    first_call_s=round(first, 2), **memory(backend.device))
+                    first_call_s=round(first, 2),
+                    attention=backend.batch_attention() if b > 1 else None,
+                    **memory(backend.device))
 
 
 def prefill_rate(report: Report, backend, config: ModelConfig, label: str, n: int) -> None:

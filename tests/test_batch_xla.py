@@ -67,12 +67,10 @@ def _prompts(vocab, lengths, seed):
     return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
 
 
-def test_greedy_tokens_equal_each_sequence_decoded_alone(gqa_xla):
-    """Four sequences (three in windows of two blocks, one crossing the first block's end) decoded greedily for 6 steps in one batch: each one's tokens are its tokens
-    alone; each row's logits within 1e-4 of forward's, the caches within 1e-5."""
-    b = gqa_xla
-    assert b.batch_xla() and not b.batch_kernels()
-    lengths = [8, 250, 257, 264]  # prefill chunks of 256 and 8 only
+def _greedy_against_alone(b, lengths, steps):
+    """Sequences of prompts of `lengths` decoded greedily `steps` steps in one batch and each
+    alone: the same tokens; each row's logits within 1e-4 of forward's, the caches within
+    1e-5."""
     prompts = _prompts(b.config.vocab_size, lengths, seed=1)
     alone, batched = _prefilled(b, prompts), _prefilled(b, prompts)
     in_use = b.use_caches(b.new_caches())
@@ -81,7 +79,7 @@ def test_greedy_tokens_equal_each_sequence_decoded_alone(gqa_xla):
     pos = [n - 1 for n in lengths]
     alone_tokens, batch_tokens = [], []
     worst = 0.0
-    for _ in range(6):
+    for _ in range(steps):
         out = b.decode_batch(tokens, pos, batched)
         refs = []
         for i, c in enumerate(alone):
@@ -100,6 +98,24 @@ def test_greedy_tokens_equal_each_sequence_decoded_alone(gqa_xla):
                 if list.__getitem__(la, blk) is not None:
                     np.testing.assert_allclose(np.asarray(lc[blk]), np.asarray(la[blk]),
                                                atol=1e-5)
+
+
+def test_greedy_tokens_equal_each_sequence_decoded_alone(gqa_xla):
+    """Four sequences (three in windows of two blocks, one crossing the first block's end)
+    decoded greedily for 6 steps in one batch, as each alone."""
+    assert gqa_xla.batch_xla() and not gqa_xla.batch_kernels()
+    assert gqa_xla.batch_attention() == "rows"  # on a CPU
+    _greedy_against_alone(gqa_xla, [8, 250, 257, 264], steps=6)  # prefill chunks 256 and 8
+
+
+def test_the_stacked_attention_of_an_accelerator(gqa_xla):
+    """The attention an accelerator runs (the rows' blocks stacked, one batched attention per
+    layer), here on the CPU: the tokens of each sequence alone too."""
+    gqa_xla.xla_batch_attention = "stacked"
+    try:
+        _greedy_against_alone(gqa_xla, [8, 257, 264], steps=3)
+    finally:
+        del gqa_xla.xla_batch_attention
 
 
 def test_a_narrow_kv_cache_type():
@@ -231,17 +247,19 @@ def caches():
         c = b.new_caches(); prev = b.use_caches(c); b.prefill(p, 0); b.use_caches(prev)
         out.append(c)
     return out
-alone, batched = caches(), caches()
-tokens, pos = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]
 same, worst = True, 0.0
-for _ in range(3):
-    out = b.decode_batch(tokens, pos, batched)
-    refs = []
-    for c, t, p in zip(alone, tokens, pos):
-        prev = b.use_caches(c); refs.append(b.forward(t, p)); b.use_caches(prev)
-    worst = max(worst, max(float(np.abs(o - r).max()) for o, r in zip(out, refs)))
-    same = same and [int(np.argmax(o)) for o in out] == [int(np.argmax(r)) for r in refs]
-    tokens, pos = [int(np.argmax(r)) for r in refs], [p + 1 for p in pos]
+for attention in ("rows", "stacked"):
+    b.xla_batch_attention = attention
+    alone, batched = caches(), caches()
+    tokens, pos = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]
+    for _ in range(3 if attention == "rows" else 1):
+        out = b.decode_batch(tokens, pos, batched)
+        refs = []
+        for c, t, p in zip(alone, tokens, pos):
+            prev = b.use_caches(c); refs.append(b.forward(t, p)); b.use_caches(prev)
+        worst = max(worst, max(float(np.abs(o - r).max()) for o, r in zip(out, refs)))
+        same = same and [int(np.argmax(o)) for o in out] == [int(np.argmax(r)) for r in refs]
+        tokens, pos = [int(np.argmax(r)) for r in refs], [p + 1 for p in pos]
 print(json.dumps({"same_tokens": same, "worst": worst, "devices": b.devices,
                   "batch_xla": b.batch_xla(), "w1_sharding": str(b.layers[0].w1.sharding)}))
 """
@@ -249,7 +267,8 @@ print(json.dumps({"same_tokens": same, "worst": worst, "devices": b.devices,
 
 def test_split_over_two_devices_gives_the_tokens_of_each_alone(tmp_path):
     """The batched step over a mesh of 2 forced CPU devices (weights and caches split as the
-    single step's): greedy tokens equal each sequence's alone on the same mesh."""
+    single step's), its attention in either form: greedy tokens equal each sequence's alone
+    on the same mesh."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     fields = {f: getattr(GQA, f) for f in ("dim", "hidden_dim", "n_layers", "n_heads",

@@ -107,6 +107,13 @@ class BatchSteps(JaxState):
         config = self._prepared("decode_batch")
         return self.matvec == "xla" and not config.moe and not windowed(config)
 
+    def batch_attention(self) -> str:
+        """How `graphs.decode_batch_step` runs the rows' attention (`graphs.batch_xla.
+        ATTENTION`): "rows" on a CPU, "stacked" on an accelerator; the attribute
+        `xla_batch_attention`, where set, overrides it (tests)."""
+        chosen = getattr(self, "xla_batch_attention", None)
+        return chosen or ("rows" if self.device.platform == "cpu" else "stacked")
+
     def _decode_xla_part(self, pairs, caches) -> np.ndarray:
         """At most max(BATCH_SIZES) sequences through `graphs.decode_batch_step`, then each
         sequence's new keys and values written by `graphs.write_caches` (its blocks donated)."""
@@ -136,7 +143,7 @@ class BatchSteps(JaxState):
         logits, new_k, new_v = programs.decode_batch_step(
             config, self._put(x), self._put(pos), self.layers, rows(0, key_zero),
             rows(1, value_zero), self.inv_freq, self.rms_final_weight, self.wcls,
-            shards=self._shards,
+            shards=self._shards, attention=self.batch_attention(),
         )
         for b, (keys, values) in enumerate(caches):
             written_k, written_v = programs.write_caches(

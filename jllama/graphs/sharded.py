@@ -85,5 +85,6 @@ def sharded_programs(mesh: Mesh, wait: bool | None = None) -> Programs:
                          ("key_blocks", "value_blocks")),
         decode_loop=jit(graphs.decode_loop, (rep, rep, rep, heads, heads),
                         ("n_steps", "kind", "shards", "matvec"), ("key_cur", "value_cur")),
-        decode_batch_step=jit(graphs.decode_batch_step, (rep, heads, heads), ("shards",)),
+        decode_batch_step=jit(graphs.decode_batch_step, (rep, heads, heads),
+                              ("shards", "attention")),
     )
