@@ -26,7 +26,7 @@ import pytest
 from test_prefill import _compiles  # the programs compiled inside a `with` block
 
 from jllama.backends import make_backend
-from jllama.backends.jax_batch import batch_size
+from jllama.backends.jax_batch import batch_size, write_groups
 from jllama.engine import Request, complete_all
 from jllama.generation.session import Session
 from jllama.model.config import ModelConfig
@@ -141,7 +141,7 @@ def test_a_narrow_kv_cache_type():
 
 
 def test_the_cache_blocks_are_written_in_place(gqa_xla):
-    """Each sequence's current block is donated to `write_caches` and written where it lies
+    """Each sequence's current block is donated to `write_rows` and written where it lies
     (no copy of a block per step)."""
     b = gqa_xla
     caches = _prefilled(b, [[1] * 257, [2] * 257])
@@ -151,6 +151,11 @@ def test_the_cache_blocks_are_written_in_place(gqa_xla):
     now = [c[side][l][1] for c in caches for side in (0, 1) for l in range(GQA.n_layers)]
     assert all(old.is_deleted() for old in blocks)
     assert [blk.unsafe_buffer_pointer() for blk in now] == pointers
+
+
+def test_writes_run_in_groups_of_powers_of_two():
+    assert [write_groups(n) for n in (1, 2, 3, 7, 8, 32)] == [
+        [1], [2], [2, 1], [4, 2, 1], [8], [32]]
 
 
 def test_row_does_not_depend_on_neighbours_in_a_batch_size(gqa_xla):
@@ -189,6 +194,7 @@ def test_no_recompilation_as_slots_fill_and_empty(gqa_xla):
     b = gqa_xla
     caches = _prefilled(b, [[1] * 257] * 4)
     b.decode_batch([1] * 4, [257] * 4, caches)  # size 4, two blocks: compiled now
+    b.decode_batch([1] * 3, [258] * 3, caches[:3])  # its writes in groups of 2 and 1
     b.decode_batch([1] * 2, [258] * 2, caches[:2])  # size 2
     with _compiles() as compiled:
         for n, pos in ((3, 259), (4, 260), (2, 261), (3, 262), (2, 263)):

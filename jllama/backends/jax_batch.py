@@ -13,7 +13,8 @@ and go.
 With XLA's products (matvec="xla": any platform, one device or split over a mesh as the
 single step is) the step is one program, `graphs.decode_batch_step` (all layers and the
 classifier for the B rows: a matrix product per weight, each row's attention over its own
-blocks), then `graphs.write_caches` per sequence (its blocks donated, written in place).
+blocks), then `graphs.write_rows` per group of sequences (their blocks donated, written in
+place; groups of powers of two, `write_groups`).
 Padded and compiled as above; a row's logits equal `forward`'s up to float rounding, not bit
 for bit (tests/test_batch_xla.py). Otherwise (the kernels' products with weights
 `matvec_batch` does not take) the step is `forward` per sequence on its caches: the same
@@ -41,6 +42,13 @@ XLA_BLOCK_READS = 256
 """The most (row, cache block) pairs one `graphs.decode_batch_step` call reads per layer: its
 program holds one attention per row over its K blocks, unrolled, so a batch at long windows
 runs in parts of fewer rows (32 rows at K <= 8, 8 rows at K = 32: SmolLM2's 8192 positions)."""
+
+
+def write_groups(b: int) -> list[int]:
+    """The sizes, powers of two, largest first, that b sequences' cache writes run in
+    (`graphs.write_rows`): 7 -> [4, 2, 1]. At most six programs, each compiled once, serve
+    every b up to 63; one to six calls a step."""
+    return [1 << i for i in reversed(range(b.bit_length())) if b >> i & 1]
 
 
 def batch_size(b: int) -> int:
@@ -115,8 +123,9 @@ class BatchSteps(JaxState):
         return chosen or ("rows" if self.device.platform == "cpu" else "stacked")
 
     def _decode_xla_part(self, pairs, caches) -> np.ndarray:
-        """At most max(BATCH_SIZES) sequences through `graphs.decode_batch_step`, then each
-        sequence's new keys and values written by `graphs.write_caches` (its blocks donated)."""
+        """At most max(BATCH_SIZES) sequences through `graphs.decode_batch_step`, then their
+        new keys and values written by `graphs.write_rows` (their blocks donated), a call per
+        group of `write_groups`."""
         config = self.config
         live = len(pairs)
         size = batch_size(live)
@@ -145,13 +154,20 @@ class BatchSteps(JaxState):
             rows(1, value_zero), self.inv_freq, self.rms_final_weight, self.wcls,
             shards=self._shards, attention=self.batch_attention(),
         )
-        for b, (keys, values) in enumerate(caches):
-            written_k, written_v = programs.write_caches(
-                config, tuple(kc[cur[b]] for kc in keys), tuple(vc[cur[b]] for vc in values),
-                new_k[b], new_v[b], self._put(np.int32(pos[b])),
+        start = 0
+        for group in write_groups(live):
+            rows = range(start, start + group)
+            start += group
+            written_k, written_v = programs.write_rows(
+                config, tuple(tuple(kc[cur[b]] for kc in caches[b][0]) for b in rows),
+                tuple(tuple(vc[cur[b]] for vc in caches[b][1]) for b in rows),
+                tuple(new_k[b] for b in rows), tuple(new_v[b] for b in rows),
+                self._put(pos[rows.start:rows.stop]),
             )
-            for kc, vc, key, value in zip(keys, values, written_k, written_v, strict=True):
-                kc[cur[b]], vc[cur[b]] = key, value
+            for b, keys, values in zip(rows, written_k, written_v, strict=True):
+                for kc, vc, key, value in zip(caches[b][0], caches[b][1], keys, values,
+                                              strict=True):
+                    kc[cur[b]], vc[cur[b]] = key, value
         return np.asarray(logits)[:live]
 
     def _decode_each(self, pairs, caches) -> np.ndarray:

@@ -31,7 +31,7 @@ from jllama.graphs.attention import (
     block_length,
     n_blocks,
 )
-from jllama.graphs.batch_xla import decode_batch_step
+from jllama.graphs.batch_xla import decode_batch_step, write_rows
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.fused import decode_step, write_caches
@@ -74,4 +74,5 @@ __all__ = [
     "qkv_chunk",
     "sample_on_device",
     "write_caches",
+    "write_rows",
 ]

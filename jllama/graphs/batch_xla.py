@@ -8,9 +8,11 @@ sequences, each at its own position on its own KV cache, one token each, in one 
                      position, its own key and value entered directly as the `fused` mode
                      does, `jllama.graphs.fused.attend_new_position`); the new keys and values
                      come back as small arrays
-  (then `jllama.graphs.fused.write_caches` per sequence stores them, its blocks donated: the
-  only way XLA CPU updates a cache block in place is a program that writes it and reads
-  nothing else of it, see `jllama.graphs.qkv`)
+  write_rows         stores R sequences' new keys and values, their blocks donated (the only
+                     way XLA CPU updates a cache block in place is a program that writes it
+                     and reads nothing else of it, see `jllama.graphs.qkv`); the backend cuts
+                     the B sequences into groups of powers of two (7 = 4 + 2 + 1), so a few
+                     compiled sizes serve every B in few calls
 
 Compiled once per batch size (the backend pads B up to one of `jllama.graphs.batch.
 BATCH_SIZES`: the padding rows read blocks of zeros and their results are dropped) and per
@@ -38,6 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jllama.graphs.attention import write_positions
 from jllama.graphs.cache_rows import decode, round_trip
 from jllama.graphs.fused import attend_new_position
 from jllama.graphs.ops import PRECISION, qkv_extras, split_qkv
@@ -134,7 +137,7 @@ def decode_batch_step(
     Returns:
       (logits f32[B, vocab_size], new_k, new_v): new_k and new_v per row, per layer, the
       row's key and value f32[n_kv_heads, 1, head_dim] (B tuples of n_layers arrays, each
-      separate: `jllama.graphs.fused.write_caches` takes one row's tuple).
+      separate: `write_rows` takes them).
     """
     c = config
     rows = x.shape[0]
@@ -166,3 +169,32 @@ def decode_batch_step(
     with jax.named_scope("classifier_batch"):
         logits = _rows_matmul(_rmsnorm_rows(x, rms_final_weight, c.norm_eps), wcls)
     return logits, tuple(map(tuple, new_k)), tuple(map(tuple, new_v))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("key_blocks", "value_blocks"))
+def write_rows(
+    config: ModelConfig, key_blocks: tuple, value_blocks: tuple, new_k: tuple, new_v: tuple,
+    pos: jax.Array,
+) -> tuple[tuple, tuple]:
+    """Store each of R sequences' new keys and values at its position, in place
+    (`jllama.graphs.fused.write_caches` for R sequences in one call).
+
+    Args:
+      config: static.
+      key_blocks, value_blocks: R tuples of n_layers blocks, row r's blocks holding pos[r]
+        (any KV cache type: the rows are rounded to it); donated, use the returned ones.
+      new_k, new_v: R tuples of n_layers arrays f32[n_kv_heads, 1, head_dim] (as
+        `decode_batch_step` returns them).
+      pos: int32[R].
+
+    Returns:
+      (key_blocks, value_blocks) written, as given.
+    """
+    keys, values = [], []
+    for r, (kb, vb) in enumerate(zip(key_blocks, value_blocks, strict=True)):
+        n = len(kb)
+        written = write_positions(tuple(kb) + tuple(vb), tuple(new_k[r]) + tuple(new_v[r]),
+                                  pos[r])
+        keys.append(written[:n])
+        values.append(written[n:])
+    return tuple(keys), tuple(values)

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jllama.graphs.attention import attention
-from jllama.graphs.batch_xla import decode_batch_step
+from jllama.graphs.batch_xla import decode_batch_step, write_rows
 from jllama.graphs.block import block
 from jllama.graphs.classifier import classifier
 from jllama.graphs.fused import decode_step, write_caches
@@ -41,8 +41,8 @@ class Programs:
     Prefill, per layer and chunk: qkv_chunk, attention_chunk, block_chunk; then
     classifier_last (the last token's logits) or classifier_rows (every token's).
     `fused` mode: decode_step + write_caches. `loop` mode: decode_loop.
-    The batched decode step with XLA's products: decode_batch_step, then write_caches per
-    sequence.
+    The batched decode step with XLA's products: decode_batch_step, then write_rows per
+    group of sequences.
     """
 
     qkv: Program
@@ -58,6 +58,7 @@ class Programs:
     write_caches: Program
     decode_loop: Program
     decode_batch_step: Program
+    write_rows: Program
 
 
 ONE_DEVICE = Programs(
@@ -65,7 +66,7 @@ ONE_DEVICE = Programs(
     qkv_chunk=qkv_chunk, attention_chunk=attention_chunk, block_chunk=block_chunk,
     classifier_last=classifier_last, classifier_rows=classifier_rows,
     decode_step=decode_step, write_caches=write_caches, decode_loop=decode_loop,
-    decode_batch_step=decode_batch_step,
+    decode_batch_step=decode_batch_step, write_rows=write_rows,
 )
 """The programs on one device: `jllama.graphs`' own `jax.jit` functions (jax places their
 outputs on the device of their inputs)."""

@@ -87,4 +87,5 @@ def sharded_programs(mesh: Mesh, wait: bool | None = None) -> Programs:
                         ("n_steps", "kind", "shards", "matvec"), ("key_cur", "value_cur")),
         decode_batch_step=jit(graphs.decode_batch_step, (rep, heads, heads),
                               ("shards", "attention")),
+        write_rows=jit(graphs.write_rows, (heads, heads), (), ("key_blocks", "value_blocks")),
     )
