@@ -16,6 +16,7 @@ assertions below hold it):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -101,11 +102,11 @@ def _greedy_against_alone(b, lengths, steps):
 
 
 def test_greedy_tokens_equal_each_sequence_decoded_alone(gqa_xla):
-    """Four sequences (three in windows of two blocks, one crossing the first block's end)
-    decoded greedily for 6 steps in one batch, as each alone."""
+    """Four sequences (two in windows of two blocks, one crossing the first block's end at
+    its fourth step) decoded greedily for 4 steps in one batch, as each alone."""
     assert gqa_xla.batch_xla() and not gqa_xla.batch_kernels()
     assert gqa_xla.batch_attention() == "rows"  # on a CPU
-    _greedy_against_alone(gqa_xla, [8, 250, 257, 264], steps=6)  # prefill chunks 256 and 8
+    _greedy_against_alone(gqa_xla, [8, 254, 257, 264], steps=4)
 
 
 def test_the_stacked_attention_of_an_accelerator(gqa_xla):
@@ -118,25 +119,26 @@ def test_the_stacked_attention_of_an_accelerator(gqa_xla):
         del gqa_xla.xla_batch_attention
 
 
-def test_a_narrow_kv_cache_type():
-    """f16 keys and bfloat16 values: rows rounded as written (`write_caches`), widened as
-    read; the greedy tokens and (within 1e-4) the logits of each sequence alone."""
+def test_a_narrow_kv_cache_type_and_qwen_layers():
+    """f16 keys and bfloat16 values (rows rounded as written by `write_rows`, widened as
+    read), in a layer with q/k/v biases (Qwen2) and per-head q/k RMSNorms (Qwen3): the greedy
+    tokens and (within 1e-4) the logits of each sequence alone."""
+    config = dataclasses.replace(GQA, n_layers=1, qkv_bias=True, qk_norm=True)
     b = make_backend("jax", matvec="xla", cache_type_k="f16", cache_type_v="bf16")
-    b.prepare(GQA, random_weights(GQA, seed=4, scale=0.1))
+    b.prepare(config, random_weights(config, seed=5, scale=0.1))
     alone, batched = _prefilled(b, [[], []]), _prefilled(b, [[], []])  # from position 0
     in_use = b.use_caches(b.new_caches())
-    tokens, pos = [17, 230], [0, 0]
-    for _ in range(3):
-        out = b.decode_batch(tokens, pos, batched)
+    tokens = [3, 250]
+    for pos in range(3):
+        out = b.decode_batch(tokens, [pos, pos], batched)
         refs = []
-        for c, t, p in zip(alone, tokens, pos, strict=True):
+        for c, t in zip(alone, tokens, strict=True):
             b.use_caches(c)
-            refs.append(b.forward(t, p))
+            refs.append(b.forward(t, pos))
         b.use_caches(in_use)
         np.testing.assert_allclose(out, np.stack(refs), atol=1e-4)
         tokens = [int(np.argmax(r)) for r in refs]
         assert tokens == [int(np.argmax(o)) for o in out]
-        pos = [p + 1 for p in pos]
     assert batched[0][0][0][0].dtype == np.float16
 
 
