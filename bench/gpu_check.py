@@ -18,6 +18,12 @@ What it measures, each as one JSON line in OUT/gpu_check.jsonl (and on stdout):
   torch       the same shape in transformers + torch (bfloat16, random weights) on the same
               device: decode tok/s at B = 1, 8, 64 and the prefill, torch's peak memory
 
+On the GPU machine (no network; SmolLM2's 98 MB GGUF is over what a run may carry, 64 MiB),
+from the repository root: `python bench/gpu_check.py --out=$OUT/gpu-check
+[--smollm2=PATH]`; without the file the greedy section checks the embedded stories260K
+instead and says why (`fallback_because`). It needs jax, numpy and ml_dtypes (jllama is
+imported from this checkout), and torch + transformers for the side-by-side figure.
+
 --scale-down runs the same sections on a tiny model (and stories260K for the greedy check)
 so that a test runs the whole script on a CPU in seconds. A section that cannot run (no
 SmolLM2 file, no torch) writes a line with "skipped" and its reason; the rest go on. Sections
@@ -37,9 +43,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jllama.backends import make_backend
-from jllama.model.config import ModelConfig
-from jllama.model.weights import cast_weights, random_weights
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # jllama from this checkout
+from jllama.backends import make_backend  # noqa: E402
+from jllama.model.config import ModelConfig  # noqa: E402
+from jllama.model.weights import cast_weights, random_weights  # noqa: E402
 
 LLAMA_32_1B = ModelConfig(
     dim=2048, hidden_dim=8192, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
@@ -100,12 +107,14 @@ def check_greedy(report: Report, args) -> None:
     """SmolLM2 (stories260K scaled down) greedy ids: the default device against the CPU."""
     from jllama.model.loading import open_model
 
+    note = None
     try:
         model = open_model(None if args.scale_down else args.smollm2,
                            seq_len=64 if args.scale_down else 512, dtype="float32")
+        name = "stories260K" if args.scale_down else "smollm2"
     except Exception as e:  # no SmolLM2 file here (the GPU machine has no network)
-        report.line(section="greedy", skipped=f"{type(e).__name__}: {e}"[:300])
-        return
+        note = f"{args.smollm2}: {type(e).__name__}: {e}"[:300]
+        model, name = open_model(None, seq_len=512, dtype="float32"), "stories260K"
     prompt = model.tokenizer.encode("Once upon a time, in a small village,")
     n = 4 if args.scale_down else args.greedy_tokens
     ids, rows = {}, {}
@@ -121,7 +130,7 @@ def check_greedy(report: Report, args) -> None:
         margin = float(top[1] - top[0])
     worst = (max(float(np.abs(a - c).max()) for a, c in zip(rows["device"], rows["cpu"]))
              if part is None else None)
-    report.line(section="greedy", model="stories260K" if args.scale_down else "smollm2",
+    report.line(section="greedy", model=name, fallback_because=note,
                 tokens=n, equal=part is None, parted_at=part, cpu_top2_margin=margin,
                 ok=part is None or margin < 1e-3, max_logit_diff=worst,
                 device_ids=ids["device"], cpu_ids=ids["cpu"])
