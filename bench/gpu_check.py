@@ -9,6 +9,8 @@ What it measures, each as one JSON line in OUT/gpu_check.jsonl (and on stdout):
   greedy      SmolLM2 (float32, XLA's products) greedy ids on the default device (the GPU)
               against JAX's CPU device for --greedy_tokens tokens: equal, or where they part
               the CPU logits' top-2 margin (the issue's tolerance: < 1e-3)
+  greedy_batch  four prompts decoded side by side by the batched step on the device, each
+              against its ids alone on the CPU (the same test)
   decode      a random Llama-3.2-1B-shaped model (dim 2048, 16 layers, 32 heads, 8 KV heads,
               vocabulary 128256, tied classifier) at bfloat16 and int8 (per-row scales):
               decode tok/s at B = 1 (`forward`), 8 and 64 (`decode_batch`, the batched XLA
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import sys
 import time
@@ -103,6 +106,33 @@ def greedy_ids(backend, prompt: list[int], n: int) -> tuple[list[int], list[np.n
     return ids, rows
 
 
+def batched_greedy_ids(backend, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy ids after each prompt, the prompts decoded side by side in one batch
+    (`decode_batch`, the batched XLA step) after each one's prefill."""
+    caches, ids = [], []
+    for prompt in prompts:
+        c = backend.new_caches()
+        previous = backend.use_caches(c)
+        ids.append([int(np.argmax(backend.prefill(prompt, 0)))])
+        backend.use_caches(previous)
+        caches.append(c)
+    for i in range(1, n):
+        logits = backend.decode_batch([r[-1] for r in ids],
+                                      [len(p) + i - 1 for p in prompts], caches)
+        for r, row in zip(ids, logits, strict=True):
+            r.append(int(np.argmax(row)))
+    return ids
+
+
+def parting(a: list[int], c: list[int], rows: list[np.ndarray]) -> tuple[int | None, float | None]:
+    """Where ids a and c first differ, and the top-2 margin of rows (c's logits) there."""
+    part = next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), None)
+    if part is None:
+        return None, None
+    top = np.sort(rows[part])[-2:]
+    return part, float(top[1] - top[0])
+
+
 def check_greedy(report: Report, args) -> None:
     """SmolLM2 (stories260K scaled down) greedy ids: the default device against the CPU."""
     from jllama.model.loading import open_model
@@ -115,21 +145,29 @@ def check_greedy(report: Report, args) -> None:
     except Exception as e:  # no SmolLM2 file here (the GPU machine has no network)
         note = f"{args.smollm2}: {type(e).__name__}: {e}"[:300]
         model, name = open_model(None, seq_len=512, dtype="float32"), "stories260K"
-    prompt = model.tokenizer.encode("Once upon a time, in a small village,")
+    texts = ["Once upon a time, in a small village,", "The capital of France is",
+             "def fibonacci(n):", "Water boils at"]
+    prompts = [model.tokenizer.encode(t) for t in texts[:2 if args.scale_down else 4]]
     n = 4 if args.scale_down else args.greedy_tokens
-    ids, rows = {}, {}
+    ids, rows, batch = {}, {}, {}
     for where, device in (("device", jax.devices()[0]), ("cpu", jax.devices("cpu")[0])):
         b = make_backend("jax", device=device, matvec="xla")
         b.prepare(model.config, model.weights)
-        ids[where], rows[where] = greedy_ids(b, prompt, n)
+        alone = [greedy_ids(b, p, n) for p in prompts]
+        ids[where], rows[where] = [a[0] for a in alone], [a[1] for a in alone]
+        if where == "device":
+            batch = batched_greedy_ids(b, prompts, n)
         del b
-    part = next((i for i, (a, c) in enumerate(zip(ids["device"], ids["cpu"])) if a != c), None)
-    margin = None
-    if part is not None:
-        top = np.sort(rows["cpu"][part])[-2:]
-        margin = float(top[1] - top[0])
-    worst = (max(float(np.abs(a - c).max()) for a, c in zip(rows["device"], rows["cpu"]))
+    part, margin = parting(ids["device"][0], ids["cpu"][0], rows["cpu"][0])
+    worst = (max(float(np.abs(a - c).max()) for a, c in zip(rows["device"][0], rows["cpu"][0]))
              if part is None else None)
+    # The batched step on the device against each prompt alone on the CPU.
+    batch_parts = [parting(bi, ci, cr) for bi, ci, cr in zip(batch, ids["cpu"], rows["cpu"])]
+    report.line(section="greedy_batch", model=name, prompts=len(prompts), tokens=n,
+                equal=all(p is None for p, _ in batch_parts),
+                parted_at=[p for p, _ in batch_parts], cpu_top2_margin=[m for _, m in batch_parts],
+                ok=all(p is None or m < 1e-3 for p, m in batch_parts))
+    ids = {k: v[0] for k, v in ids.items()}
     report.line(section="greedy", model=name, fallback_because=note,
                 tokens=n, equal=part is None, parted_at=part, cpu_top2_margin=margin,
                 ok=part is None or margin < 1e-3, max_logit_diff=worst,
@@ -291,10 +329,10 @@ def main(argv=None) -> int:
     report = Report(Path(args.out), args.budget_s)
     device = jax.devices()[0]
     versions = {"jax": jax.__version__}
-    for name in ("torch", "transformers"):
+    for name in ("torch", "transformers"):  # from the installed metadata: no import
         try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     report.line(section="device", platform=device.platform, kind=device.device_kind,
                 devices=jax.device_count(), scale_down=args.scale_down, **versions,

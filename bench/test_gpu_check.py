@@ -26,6 +26,8 @@ def test_scaled_down_run_writes_every_section(tmp_path):
     assert by["device"][0]["platform"] == "cpu" and by["device"][0]["scale_down"]
     greedy = by["greedy"][0]
     assert greedy["ok"] and greedy["equal"] and greedy["device_ids"] == greedy["cpu_ids"]
+    batch = by["greedy_batch"][0]
+    assert batch["ok"] and batch["equal"] and batch["prompts"] == 2
     models = {x["model"] for x in by["model"]}
     assert models == {"tiny-bfloat16", "tiny-int8"}
     assert {(x["model"], x["batch"]) for x in by["decode"]} == {
