@@ -94,7 +94,7 @@ def test_one_device_programs_are_the_graphs_functions():
     assert fields == [
         "qkv", "attention", "block", "classifier", "qkv_chunk", "attention_chunk",
         "block_chunk", "classifier_last", "classifier_rows", "decode_step", "write_caches",
-        "decode_loop",
+        "decode_loop", "decode_batch_step", "write_rows",
     ]
     for name in fields:
         assert vars(graphs.ONE_DEVICE)[name] is vars(graphs)[name], name
