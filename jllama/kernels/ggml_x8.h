@@ -258,6 +258,7 @@ struct Y8 : FloatLanes<false> {
   static I srl4(I a) { return _mm256_srli_epi16(a, 4); }
   static I srl16(I a, int k) { return srli16(a, k); }
   static I sll4(I a) { return _mm256_slli_epi16(a, 4); }
+  static I sll2(I a) { return _mm256_slli_epi16(a, 2); }
   static I bit_to_0x10(I bits, int k) { return ggml::bit_to_0x10(bits, k); }
   static I sign(I a, I b) { return _mm256_sign_epi8(a, b); }
   // u8 x s8 products summed per 4 into int32 (VNNI's dpbusd, or maddubs + madd without it:
@@ -324,6 +325,7 @@ struct Z16 : FloatLanes<true> {
     }
   }
   static I sll4(I a) { return _mm512_slli_epi16(a, 4); }
+  static I sll2(I a) { return _mm512_slli_epi16(a, 2); }
   static I bit_to_0x10(I bits, int k) {
     const I b = _mm512_and_si512(bits, _mm512_set1_epi8(static_cast<char>(1 << k)));
     switch (k) {
@@ -386,6 +388,43 @@ struct Dots {
     return s;
   }
 };
+
+#if !JLLAMA_Q_VNNI
+// Without VNNI, a K-quant's sub-block scales are applied in integers: the int16 pair sums of
+// `Every` chunks are widened by `madd` against the rows' scales (each 32-bit lane the scale of
+// its row twice) rather than against ones, and summed over the whole super-block in int32, so a
+// super-block costs one conversion to float and one multiply instead of one per sub-block (the
+// AVX2 build is bound by its instructions, not by memory: x86-64-v3 Q4_K ran at 15.6 GB/s from
+// L2 on one core against 30 with VNNI). The sums are exact: |sum_j sc_j * dot_j| <= 8 * 63 *
+// 32 * 15 * 127 (Q4_K), 8 * 63 * 32 * 31 * 127 (Q5_K), 16 * 128 * 16 * 63 * 127 (Q6_K), all
+// below 2^31; their conversion to float rounds once, where the float path rounded per sub-block.
+template <int Every>
+struct ScaledDots {
+  __m256i s = _mm256_setzero_si256();  // int32 lanes: sum of scale * dot
+  __m256i p = _mm256_setzero_si256();  // int16 pair sums not yet widened
+  int pending = 0;
+  inline void add(__m256i u, __m256i a, __m256i scale) {
+    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u, a));
+    if (++pending == Every) flush(scale);
+  }
+  inline void flush(__m256i scale) {
+    if (pending) {
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scale));
+      p = _mm256_setzero_si256();
+      pending = 0;
+    }
+  }
+};
+
+// The 8 rows' bytes (one u64: row r's byte r), unsigned or signed, each as the int16 pair
+// (b, b) in 32-bit lane r: the multiplier `ScaledDots` widens with.
+template <bool Signed>
+inline __m256i scale_pairs(uint64_t bytes) {
+  const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
+  const __m256i w = Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(w, 16));
+}
+#endif
 
 // The 8 row bytes of every group at byte `at` of its tile (`V::kGroups` u64).
 template <class V>
@@ -553,6 +592,7 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
       scales_mins<V>(w, pair, sc, mn);
       const F d = V::halves(w, pair, 0), dmin = V::halves(w, pair, 16);
       F part[NT];
+#if JLLAMA_Q_VNNI
       for (int t = 0; t < NT; ++t) part[t] = V::fzero();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {  // sub-block j: values 32j .. 32j + 31
@@ -567,37 +607,76 @@ inline void xdot_n(const uint8_t* w, int64_t pair, const Activations* x, float* 
         const F dsc = V::mul(d, V::template bytes<false>(sc[j]));
         for (int t = 0; t < NT; ++t) part[t] = V::fma(V::cvt(s[t].sums()), dsc, part[t]);
       }
+#else
+      ScaledDots<five ? 4 : 8> s[NT];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {  // sub-block j: values 32j .. 32j + 31
+        const int g = j / 2, half = j % 2;
+        const I scale = scale_pairs<false>(sc[j][0]);
+        for (int c = 0; c < 8; ++c) {
+          const I q = V::load(w, pair, qs_at + 256 * g + 32 * c);
+          I v = V::and_(half ? V::srl4(q) : q, low4);
+          if (five) v = V::or_(v, V::bit_to_0x10(V::load(w, pair, 128 + 32 * c), j));
+          for (int t = 0; t < NT; ++t)
+            s[t].add(v, V::bcast4(x[t].q + 256 * sb + 32 * j + 4 * c), scale);
+        }
+        for (int t = 0; t < NT; ++t) s[t].flush(scale);
+      }
+      for (int t = 0; t < NT; ++t) part[t] = V::mul(V::cvt(s[t].s), d);
+#endif
       I mins[4];
       for (int k = 0; k < 4; ++k) mins[k] = V::template pairs<false>(mn[2 * k], mn[2 * k + 1]);
       for (int t = 0; t < NT; ++t) acc[t] = k4_step<V>(acc[t], part[t], dmin, mins, x[t], sb);
     }
   } else if constexpr (T == Q6_K) {
-    const I three = V::set8(3);
+    const I hi_mask = V::set8(0x30);
     for (int64_t sb = 0; sb < n / 256; ++sb, w += 1680) {
       tile_ahead<V, Ahead>(w, pair, 1680);
       uint64_t scales[16][V::kGroups];
       for (int k = 0; k < 16; ++k) row_bytes<V>(w, pair, 16 + 8 * k, scales[k]);
       F part[NT];
+#if JLLAMA_Q_VNNI
       for (int t = 0; t < NT; ++t) part[t] = V::fzero();
+#else
+      ScaledDots<2> s[NT];
+#endif
       for (int nh = 0; nh < 2; ++nh) {      // half of the super-block: values 128 nh ..
         for (int h = 0; h < 2; ++h) {       // 16-value halves of its activation blocks
 #pragma GCC unroll 4
           for (int v = 0; v < 4; ++v) {     // values 128 nh + 32 v + 16 h ..: one scale each
+#if JLLAMA_Q_VNNI
             Dots<V, 2> s[NT];
+#else
+            const I scale = scale_pairs<true>(scales[8 * nh + 2 * v + h][0]);
+#endif
             for (int c = 4 * h; c < 4 * h + 4; ++c) {
               const I q = V::load(w, pair, 144 + 512 * nh + 32 * (c + 8 * (v % 2)));
               const I H = V::load(w, pair, 1168 + 256 * nh + 32 * c);
               const I lo = V::and_(v < 2 ? q : V::srl4(q), low4);
-              const I hi = V::and_(V::srl16(H, 2 * v), three);
-              const I val = V::or_(lo, V::sll4(hi));
+              // Bits 2v, 2v + 1 of each byte of H moved to bits 4, 5 in one shift (of 16-bit
+              // lanes: what crosses into the other byte of a lane lands outside 0x30).
+              const I moved = v == 0 ? V::sll4(H) : v == 1 ? V::sll2(H) : v == 2 ? H : V::srl16(H, 2);
+              const I val = V::or_(lo, V::and_(moved, hi_mask));
+#if JLLAMA_Q_VNNI
               for (int t = 0; t < NT; ++t)
                 s[t].add(val, V::bcast4(x[t].q + 256 * sb + 128 * nh + 32 * v + 4 * c));
+#else
+              for (int t = 0; t < NT; ++t)
+                s[t].add(val, V::bcast4(x[t].q + 256 * sb + 128 * nh + 32 * v + 4 * c), scale);
+#endif
             }
+#if JLLAMA_Q_VNNI
             const F sc = V::template bytes<true>(scales[8 * nh + 2 * v + h]);
             for (int t = 0; t < NT; ++t) part[t] = V::fma(V::cvt(s[t].sums()), sc, part[t]);
+#else
+            for (int t = 0; t < NT; ++t) s[t].flush(scale);
+#endif
           }
         }
       }
+#if !JLLAMA_Q_VNNI
+      for (int t = 0; t < NT; ++t) part[t] = V::cvt(s[t].s);
+#endif
       I sc16[8];
       for (int k = 0; k < 8; ++k) sc16[k] = V::template pairs<true>(scales[2 * k], scales[2 * k + 1]);
       const F d = V::halves(w, pair, 0);
